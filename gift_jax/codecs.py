@@ -1,0 +1,397 @@
+"""Wire formats of the quantized all-reduce: codecs, scales and the element-wise math.
+
+A *codec* says how a float32 gradient travels: the element format, how it is scaled and how
+its bytes are laid out. Every codec works on *rows*: a flat buffer is viewed as ``[rows, B]``
+where ``B`` is the codec's row size, and each row carries at most one scale of its own
+(per-block codecs) plus, optionally, a scale shared by all rows of the same leaf (per-tensor
+codecs and NVFP4's second level). The functions here are pure ``jnp`` and are the single source
+of the element math: the Pallas kernels in :mod:`gift_jax.kernels.quantize` call the very same
+functions on the tiles they load, and the XLA path calls them on whole arrays, so both paths
+are bit-identical by construction (and tested to be).
+
+Formats (``ml_dtypes`` provides every dtype):
+
+========== ================ ========================= ==============================
+name       element          row scale                 leaf scale
+========== ================ ========================= ==============================
+fp32       float32          none (plain ``psum``)     none
+bf16       bfloat16         none                      none
+fp8_e4m3   float8_e4m3fn    fp32 per block (optional) fp32 per tensor (default)
+fp8_e5m2   float8_e5m2      fp32 per block (optional) fp32 per tensor (default)
+mxfp8      float8_e4m3fn    E8M0 per 32 (OCP MX)      none
+nvfp4      float4_e2m1fn    float8_e4m3fn per 16      fp32 per tensor
+========== ================ ========================= ==============================
+
+Scaling maps the absolute maximum ``amax`` of the scaled group onto the format maximum:
+``s = amax / fmax`` and ``q = sat(x / s)``, decoded as ``q · s``. Casts saturate: an fp32 value
+beyond ``fmax`` becomes ``±fmax`` (``float8_e4m3fn`` has no infinity, and XLA's plain convert
+would turn an overflow into NaN). A zero group gets ``s = 1`` and encodes exact zeros. A
+non-finite ``amax`` (NaN or Inf somewhere in the group) gives a NaN scale, so the *whole group*
+decodes as NaN on every replica: garbage never passes silently as finite numbers.
+
+MXFP8 (OCP Microscaling formats v1.0: e4m3 elements, one E8M0 power-of-two scale per 32): the
+shared exponent is ``ceil(log2(amax / 448))``, stored as a biased byte. The spec's suggested
+``floor(log2 amax) − 8`` lets ``amax / 2^e`` reach 511 and clamps everything above 448 (up to
+12.5 % error on the largest elements of a block); rounding the exponent up, as NVIDIA's MXFP8
+recipe does, never saturates and costs at most one bit of resolution. The exponent is
+computed from the float32 bits, not by casting to ``float8_e8m0fnu`` (that cast turns 0 into
+NaN and rounds 3 up to 4).
+
+NVFP4: a per-tensor fp32 scale ``g = amax_tensor / (448 · 6)`` and a per-16 e4m3 block scale
+``b = sat_e4m3(amax_block / (6 g))``; elements are ``e2m1(x / (b g))``, packed two per byte
+(low nibble first).
+
+Stochastic rounding (optional): with uniform ``u ∈ [0, 1)`` per element (from random bits made
+outside the kernel), ``q = sign(y) · floor(|y| / ulp(y) + u) · ulp(y)`` where ``ulp(y)`` is the
+spacing of the target format at ``y`` (constant below the smallest normal). This is unbiased,
+``E[q] = y``, up to float32 resolution, and ``q`` is exactly representable, so the final cast
+is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+CodecName = Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"]
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+
+#: Row size of codecs without per-block scales: each leaf is padded to a multiple of it.
+DEFAULT_ROW_SIZE = 128
+MX_BLOCK = 32
+NVFP4_BLOCK = 16
+
+_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+_E2M1_MAX = float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max)  # 6
+_MX_EMAX_ELEM = 8  # floor(log2(448))
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """A wire format. Build it with :func:`get_codec`, which validates the settings.
+
+    Attributes:
+      name: one of :data:`CODEC_NAMES`.
+      block_size: elements per row scale, or ``None`` for per-tensor scaling (for ``mxfp8``
+        and ``nvfp4`` it is fixed by the format: 32 and 16).
+    """
+
+    name: str
+    block_size: int | None = None
+
+    # ---- derived, static facts -------------------------------------------------------------
+    @property
+    def element_dtype(self):
+        return {
+            "fp32": jnp.float32,
+            "bf16": jnp.bfloat16,
+            "fp8_e4m3": jnp.float8_e4m3fn,
+            "fp8_e5m2": jnp.float8_e5m2,
+            "mxfp8": jnp.float8_e4m3fn,
+            "nvfp4": jnp.float4_e2m1fn,
+        }[self.name]
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "nvfp4": 4}.get(self.name, 8)
+
+    @property
+    def fmax(self) -> float:
+        return float(ml_dtypes.finfo(self.element_dtype).max)
+
+    @property
+    def mantissa_bits(self) -> int:
+        return int(ml_dtypes.finfo(self.element_dtype).nmant)
+
+    @property
+    def min_exponent(self) -> int:
+        """Exponent of the smallest normal number of the element format."""
+        return int(np.log2(float(ml_dtypes.finfo(self.element_dtype).smallest_normal)))
+
+    @property
+    def row_size(self) -> int:
+        return self.block_size if self.block_size is not None else DEFAULT_ROW_SIZE
+
+    @property
+    def row_bytes(self) -> int:
+        """Payload bytes of one row."""
+        return self.row_size * self.bits // 8
+
+    @property
+    def row_scale_dtype(self):
+        """dtype of the per-row scale on the wire, or ``None`` when rows carry no scale."""
+        if self.name == "mxfp8":
+            return jnp.uint8  # biased E8M0 exponent
+        if self.name == "nvfp4":
+            return jnp.uint8  # float8_e4m3fn bits
+        if self.name in ("fp8_e4m3", "fp8_e5m2") and self.block_size is not None:
+            return jnp.float32
+        return None
+
+    @property
+    def has_leaf_scale(self) -> bool:
+        """True when one fp32 scale per leaf travels with the data."""
+        return self.name == "nvfp4" or (
+            self.name in ("fp8_e4m3", "fp8_e5m2") and self.block_size is None
+        )
+
+    @property
+    def is_exact(self) -> bool:
+        """fp32: the collective is a plain ``psum``."""
+        return self.name == "fp32"
+
+    @property
+    def ideal_ratio(self) -> float:
+        """Bytes per element relative to fp32, including per-row scales (not per-leaf ones)."""
+        scale = 0.0
+        if self.row_scale_dtype is not None:
+            scale = jnp.dtype(self.row_scale_dtype).itemsize / self.row_size
+        return (self.bits / 8 + scale) / 4
+
+
+def get_codec(codec: str | Codec, block_size: int | None = None) -> Codec:
+    """Validated :class:`Codec` from a name (and optional block size for fp8 codecs)."""
+    if isinstance(codec, Codec):
+        return codec
+    if not isinstance(codec, str) or codec not in CODEC_NAMES:
+        raise ValueError(f"codec={codec!r} is not supported; allowed values: {CODEC_NAMES}")
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size={block_size!r} must be a positive int or None")
+        if codec in ("fp32", "bf16"):
+            raise ValueError(
+                f"block_size={block_size} has no meaning for codec={codec!r} (no scales); "
+                "use it with 'fp8_e4m3' or 'fp8_e5m2'"
+            )
+        if codec == "mxfp8" and block_size != MX_BLOCK:
+            raise ValueError(f"mxfp8 uses block_size={MX_BLOCK} (OCP MX), got {block_size}")
+        if codec == "nvfp4" and block_size != NVFP4_BLOCK:
+            raise ValueError(f"nvfp4 uses block_size={NVFP4_BLOCK}, got {block_size}")
+        if codec == "nvfp4" and block_size % 2:
+            raise ValueError("nvfp4 packs two values per byte: block_size must be even")
+    if codec == "mxfp8":
+        block_size = MX_BLOCK
+    elif codec == "nvfp4":
+        block_size = NVFP4_BLOCK
+    return Codec(codec, block_size)
+
+
+# ---- float32 bit helpers -------------------------------------------------------------------
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """Exact ``2.0**e`` as float32 for integer ``e`` in [-126, 127]."""
+    return jax.lax.bitcast_convert_type(((e + 127).astype(jnp.uint32)) << 23, jnp.float32)
+
+
+def _floor_log2(y: jax.Array) -> jax.Array:
+    """``floor(log2 |y|)`` from the float32 exponent bits (−127 for zero and subnormals)."""
+    bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+    return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
+# ---- scales --------------------------------------------------------------------------------
+
+
+def amax_to_scale(amax: jax.Array, fmax: float) -> jax.Array:
+    """``amax / fmax``; 1 for an all-zero group; NaN for a non-finite ``amax``."""
+    amax = amax.astype(jnp.float32)
+    scale = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(fmax))
+    return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan))
+
+
+def leaf_scale_from_amax(amax: jax.Array, codec: Codec) -> jax.Array:
+    """The per-leaf fp32 scale (per-tensor fp8, and NVFP4's second level)."""
+    fmax = codec.fmax * _E4M3_MAX if codec.name == "nvfp4" else codec.fmax
+    return amax_to_scale(amax, fmax)
+
+
+def _mx_exponent_byte(amax: jax.Array) -> jax.Array:
+    """Biased E8M0 shared exponent ``ceil(log2(amax / 448)) + 127``; 255 (NaN) if non-finite.
+
+    Computed exactly from the float32 bits: ``e₀ = floor(log2 amax) − 8``, plus one when
+    ``amax · 2^−e₀ > 448``.
+    """
+    e0 = jnp.clip(_floor_log2(amax) - _MX_EMAX_ELEM, -126, 127)
+    e = e0 + (amax * _pow2(-jnp.clip(e0, -127, 126)) > _E4M3_MAX).astype(jnp.int32)
+    e = jnp.clip(e + 127, 1, 254)
+    return jnp.where(jnp.isfinite(amax), e, 255).astype(jnp.uint8)
+
+
+def _mx_scale(byte: jax.Array) -> jax.Array:
+    e = byte.astype(jnp.int32)
+    return jnp.where(e == 255, jnp.float32(jnp.nan), _pow2(jnp.clip(e, 1, 254) - 127))
+
+
+def _e4m3_byte(x: jax.Array) -> jax.Array:
+    x = jnp.clip(x, 0.0, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _e4m3_from_byte(b: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def row_scales(x: jax.Array, leaf_scale: jax.Array | None, codec: Codec):
+    """Per-row scale of ``x[rows, B]``: ``(wire_value [rows, 1], fp32 divisor [rows, 1])``.
+
+    For codecs without per-row scales the wire value is ``None`` and the divisor is the leaf
+    scale (or 1).
+    """
+    if codec.row_scale_dtype is None:
+        divisor = leaf_scale if leaf_scale is not None else jnp.ones((x.shape[0], 1), jnp.float32)
+        return None, divisor
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    if codec.name == "mxfp8":
+        byte = _mx_exponent_byte(amax)
+        return byte, _mx_scale(byte)
+    if codec.name == "nvfp4":
+        byte = _e4m3_byte(amax / (_E2M1_MAX * leaf_scale))
+        return byte, _e4m3_from_byte(byte) * leaf_scale
+    scale = amax_to_scale(amax, codec.fmax)
+    return scale, scale
+
+
+def decode_row_scales(wire: jax.Array | None, leaf_scale: jax.Array | None, codec: Codec):
+    """fp32 divisor ``[rows, 1]`` from the wire row scales and the leaf scales."""
+    if codec.name == "mxfp8":
+        return _mx_scale(wire)
+    if codec.name == "nvfp4":
+        return _e4m3_from_byte(wire) * leaf_scale
+    if wire is not None:
+        return wire
+    return leaf_scale
+
+
+# ---- element rounding ----------------------------------------------------------------------
+
+
+def uniform_from_bits(bits: jax.Array, codec: Codec) -> jax.Array:
+    """Uniform ``[0, 1)`` with ``23 − mantissa_bits`` fractional bits, from uint32 bits.
+
+    The resolution is chosen so that ``|y|/ulp + u`` is exact in float32 for normal ``y``.
+    """
+    frac_bits = 23 - codec.mantissa_bits
+    return (bits >> (32 - frac_bits)).astype(jnp.float32) * jnp.float32(2.0**-frac_bits)
+
+
+def stochastic_round(y: jax.Array, u: jax.Array, codec: Codec) -> jax.Array:
+    """Unbiased stochastic rounding of float32 ``y`` onto the element grid (see module doc)."""
+    emin = max(codec.min_exponent, -126 + codec.mantissa_bits)
+    e = jnp.maximum(_floor_log2(y), emin)
+    ulp = _pow2(e - codec.mantissa_bits)
+    mag = jnp.floor(jnp.abs(y) / ulp + u) * ulp
+    return jnp.where(jnp.isfinite(y), jnp.sign(y) * mag, y)
+
+
+def _saturating_cast(y: jax.Array, codec: Codec) -> jax.Array:
+    return jnp.clip(y, -codec.fmax, codec.fmax).astype(codec.element_dtype)
+
+
+def _pack_e2m1(q: jax.Array) -> jax.Array:
+    """float4_e2m1fn values → their 4-bit codes, packed two per byte (low nibble first).
+
+    e2m1 codes 0..7 are the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order; bit 3 is the sign.
+    Computed arithmetically so it lowers on every backend.
+    """
+    v = q.astype(jnp.float32)
+    a = jnp.abs(v)
+    code = sum((a >= t).astype(jnp.uint8) for t in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
+    code = code | jnp.where(jnp.signbit(v) & (a > 0), jnp.uint8(8), jnp.uint8(0))
+    pairs = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _unpack_e2m1(packed: jax.Array) -> jax.Array:
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    mag = jnp.zeros(codes.shape, jnp.float32)
+    for c, val in enumerate(_E2M1_VALUES[1:], start=1):
+        mag = jnp.where((codes & 7) == c, jnp.float32(val), mag)
+    return jnp.where(codes >= 8, -mag, mag)
+
+
+def encode_elements(y: jax.Array, codec: Codec, u: jax.Array | None = None) -> jax.Array:
+    """Scaled float32 ``y[..., B]`` → wire bytes ``uint8[..., B·bits/8]``."""
+    if u is not None:
+        y = stochastic_round(y, u, codec)
+    q = _saturating_cast(y, codec)
+    if codec.bits == 4:
+        return _pack_e2m1(q)
+    raw = jax.lax.bitcast_convert_type(q, jnp.uint8)  # [..., B] or [..., B, bytes]
+    return raw.reshape(*y.shape[:-1], y.shape[-1] * codec.bits // 8)
+
+
+def decode_elements(raw: jax.Array, codec: Codec) -> jax.Array:
+    """Wire bytes ``uint8[..., B·bits/8]`` → unscaled float32 ``[..., B]``."""
+    if codec.bits == 4:
+        return _unpack_e2m1(raw)
+    nbytes = codec.bits // 8
+    if nbytes > 1:
+        raw = raw.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes, nbytes)
+    return jax.lax.bitcast_convert_type(raw, codec.element_dtype).astype(jnp.float32)
+
+
+def encode_rows(
+    x: jax.Array,
+    codec: Codec,
+    leaf_scale: jax.Array | None = None,
+    rand_bits: jax.Array | None = None,
+):
+    """Quantize ``x: f32[rows, B]`` → ``(payload u8[rows, row_bytes], row_scale [rows, 1] | None)``.
+
+    ``leaf_scale: f32[rows, 1]`` is the scale of the leaf each row belongs to (required when
+    ``codec.has_leaf_scale``). ``rand_bits: u32[rows, B]`` switches on stochastic rounding.
+    Zero rows encode to zeros; NaN/Inf make the row (or leaf) decode as NaN.
+    """
+    wire_scale, divisor = row_scales(x, leaf_scale, codec)
+    if codec.row_scale_dtype is None and codec.has_leaf_scale is False:
+        y = x  # bf16: no scaling at all
+    else:
+        safe = jnp.where(divisor == 0, jnp.float32(1.0), divisor)
+        y = jnp.where(divisor == 0, jnp.float32(0.0), x / safe)
+    u = None if rand_bits is None else uniform_from_bits(rand_bits, codec)
+    return encode_elements(y, codec, u), wire_scale
+
+
+def decode_rows(
+    payload: jax.Array,
+    row_scale: jax.Array | None,
+    codec: Codec,
+    leaf_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Inverse of :func:`encode_rows`: ``f32[rows, B]``."""
+    values = decode_elements(payload, codec)
+    if codec.row_scale_dtype is None and not codec.has_leaf_scale:
+        return values
+    return values * decode_row_scales(row_scale, leaf_scale, codec)
+
+
+def roundtrip(x: jax.Array, codec: str | Codec, block_size: int | None = None) -> jax.Array:
+    """Local quantize→dequantize of any float array (per-tensor = one scale for all of ``x``).
+
+    The reference semantics of one replica's contribution, handy for measurements.
+    """
+    codec = get_codec(codec, block_size)
+    if codec.is_exact:
+        return x.astype(jnp.float32)
+    flat = x.astype(jnp.float32).reshape(-1)
+    B = codec.row_size
+    n = flat.shape[0]
+    rows = -(-n // B) if n else 1
+    padded = jnp.pad(flat, (0, rows * B - n)).reshape(rows, B)
+    leaf = None
+    if codec.has_leaf_scale:
+        scale = leaf_scale_from_amax(jnp.max(jnp.abs(flat)) if n else jnp.float32(0), codec)
+        leaf = jnp.broadcast_to(scale, (rows, 1))
+    payload, wire_scale = encode_rows(padded, codec, leaf)
+    out = decode_rows(payload, wire_scale, codec, leaf).reshape(-1)[:n]
+    return out.reshape(x.shape)

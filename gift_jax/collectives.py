@@ -1,0 +1,548 @@
+"""The custom psum: quantized reduce-scatter, all-gather and all-reduce with fp32 accumulation.
+
+A psum of FP8 values would accumulate in FP8 and overflow. Instead (``../DESIGN.md``):
+
+1. each replica quantizes its local buffer with its *own* scales and bitcasts it to ``uint8``;
+   the scales travel inside the same byte buffer as the chunks;
+2. an ``all_to_all`` of those bytes is the reduce-scatter: every replica decodes the ``P``
+   chunks of its shard with their senders' scales and **sums them in fp32** (fixed order);
+3. the owner re-quantizes its reduced shard, a ``uint8`` ``all_gather`` ships shard + scales,
+   and every replica decodes every shard with its owner's scales — the same bytes and the same
+   scales everywhere, so the results are bit-identical on all replicas.
+
+Why ``uint8`` on the wire: XLA lowers collectives of float8 arrays as f16 (twice the bytes) and
+may move converts across an all-gather (jax-ml/jax#23543); a bitcast pins the format. The
+bytes actually moved are read back from the compiled HLO by :func:`gift_jax.wire_bytes`.
+
+Everything here runs inside ``jax.shard_map`` (or any context that binds the axis names);
+``axis_name=None`` is the single-device identity. An axis name may be a tuple of mesh axes
+(reduced as one group). ``intra_axis`` gives the hierarchical variant: reduce-scatter over the
+(fast) intra-node axis in ``intra_codec`` (fp32 by default), the quantized all-reduce of that
+shard across ``axis_name``, and an all-gather back over the intra axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gift_jax.codecs import Codec, get_codec, leaf_scale_from_amax, roundtrip
+from gift_jax.kernels import quantize as qk
+from gift_jax.layout import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
+
+AxisName = str | tuple[str, ...]
+ACCUMULATE = ("fp32", "fp8")
+
+
+# ---- axis helpers --------------------------------------------------------------------------
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Size of a bound (tuple of) mesh axis, with a clear error when it is not bound."""
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound here: call the collective inside "
+            "jax.shard_map over a mesh that has this axis (or pass axis_name=None for a "
+            "single device)"
+        ) from e
+
+
+def _to_bytes(a: jax.Array) -> jax.Array:
+    """Any array → ``uint8[..., itemsize·last]`` (a bitcast)."""
+    if a.dtype == jnp.uint8:
+        return a
+    raw = jax.lax.bitcast_convert_type(a, jnp.uint8)
+    return raw.reshape(*a.shape[:-1], -1)
+
+
+def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
+    if jnp.dtype(dtype) == jnp.uint8:
+        return raw
+    k = jnp.dtype(dtype).itemsize
+    return jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, k), dtype)
+
+
+# ---- per-leaf scales -----------------------------------------------------------------------
+
+
+def _leaf_amax(x: jax.Array, row_leaf: jax.Array, num_leaves: int) -> jax.Array:
+    """Absolute maximum of each leaf over the rows present in ``x``; Inf if any is non-finite.
+
+    Rows of leaves absent from ``x`` contribute nothing (their amax is 0).
+    """
+    row_amax = jnp.max(jnp.abs(x), axis=1)
+    bad = ~jnp.isfinite(row_amax)
+    amax = jax.ops.segment_max(jnp.where(bad, 0.0, row_amax), row_leaf, num_leaves)
+    leaf_bad = jax.ops.segment_max(bad.astype(jnp.int32), row_leaf, num_leaves) > 0
+    return jnp.where(leaf_bad, jnp.inf, jnp.maximum(amax, 0.0))
+
+
+def _leaf_scales(x, codec: Codec, row_leaf, num_leaves, axis_name, global_scale: bool):
+    if not codec.has_leaf_scale:
+        return None
+    amax = _leaf_amax(x, row_leaf, num_leaves)
+    if global_scale:
+        amax = jax.lax.pmax(amax, axis_name)
+    return leaf_scale_from_amax(amax, codec)
+
+
+def _rows_of(leaf_scale: jax.Array | None, row_leaf: jax.Array):
+    return None if leaf_scale is None else leaf_scale[row_leaf][:, None]
+
+
+# ---- settings ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Static settings of one quantized collective over ``axis_name`` (hashable).
+
+    Attributes:
+      axis_name: mesh axis (or tuple of axes) to reduce over; ``None`` = single device.
+      codec: the wire format (:func:`gift_jax.codecs.get_codec`).
+      global_scale: share one per-tensor scale across replicas (one tiny ``pmax``); needed
+        only to emulate FP8 accumulation, where all senders must use the same scale.
+      accumulate: ``"fp32"`` (default, exact sum of decoded values) or ``"fp8"`` (emulate a
+        ring that rounds every partial sum to the wire format, like NCCL's fp8 reduction;
+        requires a per-tensor fp8 codec and ``global_scale``).
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for quantize / dequantize-accumulate.
+    """
+
+    axis_name: AxisName | None
+    codec: Codec
+    global_scale: bool = False
+    accumulate: str = "fp32"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.accumulate not in ACCUMULATE:
+            raise ValueError(
+                f"accumulate={self.accumulate!r} is not supported; allowed values: {ACCUMULATE}"
+            )
+        if self.accumulate == "fp8":
+            if not (self.codec.name.startswith("fp8") and self.codec.block_size is None):
+                raise ValueError(
+                    "accumulate='fp8' emulates FP8 ring accumulation and needs a per-tensor "
+                    f"codec 'fp8_e4m3' or 'fp8_e5m2', got {self.codec}"
+                )
+            if not self.global_scale:
+                raise ValueError("accumulate='fp8' needs global_scale=True (shared scales)")
+        qk.resolve_backend(self.backend)
+
+
+# ---- row-level collectives -----------------------------------------------------------------
+
+
+def reduce_scatter_rows(
+    x: jax.Array,
+    col: Collective,
+    row_leaf: jax.Array,
+    num_leaves: int,
+    rand_bits: jax.Array | None = None,
+    return_local_error: bool = False,
+):
+    """Quantized reduce-scatter of ``x: f32[rows, B]`` (rows divisible by the axis size).
+
+    Returns the fp32 sum of this replica's shard, ``f32[rows/P, B]`` (shard ``i`` = rows
+    ``[i·rows/P, (i+1)·rows/P)``), and, if asked, the local quantization error ``x − Q(x)``
+    (for error feedback).
+    """
+    codec, axis = col.codec, col.axis_name
+    P = axis_size(axis)
+    rows, B = x.shape
+    if codec.is_exact:
+        out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+        return (out, jnp.zeros_like(x)) if return_local_error else out
+    rs = rows // P
+    leaf_scale = _leaf_scales(x, codec, row_leaf, num_leaves, axis, col.global_scale)
+    leaf_rows = _rows_of(leaf_scale, row_leaf)
+    payload, row_scale = qk.quantize(x, codec, leaf_rows, rand_bits, backend=col.backend)
+
+    parts = [payload.reshape(P, rs * codec.row_bytes)]
+    if row_scale is not None:
+        parts.append(_to_bytes(row_scale).reshape(P, -1))
+    if leaf_scale is not None:
+        parts.append(jnp.broadcast_to(_to_bytes(leaf_scale[None]), (P, 4 * num_leaves)))
+    wire = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    recv = jax.lax.all_to_all(wire, axis, 0, 0, tiled=True)  # [P, chunk]: one per sender
+
+    off = rs * codec.row_bytes
+    r_payload = recv[:, :off].reshape(P, rs, codec.row_bytes)
+    r_row = None
+    if row_scale is not None:
+        k = jnp.dtype(codec.row_scale_dtype).itemsize
+        r_row = _from_bytes(recv[:, off : off + rs * k].reshape(P, rs, k), codec.row_scale_dtype)
+        off += rs * k
+    r_leaf_rows = None
+    if leaf_scale is not None:
+        r_leaf = _from_bytes(recv[:, off:], jnp.float32)  # [P, L]
+        mine = jax.lax.dynamic_slice_in_dim(row_leaf, jax.lax.axis_index(axis) * rs, rs)
+        r_leaf_rows = r_leaf[:, mine][..., None]
+    if col.accumulate == "fp8":
+        shard = _fp8_ring_sum(r_payload, codec, r_leaf_rows)
+    else:
+        shard = qk.dequantize_accumulate(r_payload, codec, r_row, r_leaf_rows,
+                                         backend=col.backend)
+    if not return_local_error:
+        return shard
+    local = qk.dequantize_accumulate(payload[None], codec,
+                                     None if row_scale is None else row_scale[None],
+                                     None if leaf_rows is None else leaf_rows[None],
+                                     backend=col.backend)
+    return shard, x - local
+
+
+def _fp8_ring_sum(payload, codec: Codec, leaf_rows):
+    """Emulated FP8 accumulation: every partial sum is rounded back to the (shared) format."""
+    from gift_jax.codecs import decode_rows, encode_rows
+
+    acc = None
+    for n in range(payload.shape[0]):
+        term = decode_rows(payload[n], None, codec, leaf_rows[n])
+        acc = term if acc is None else acc + term
+        if n:  # a hop: the running sum travels in the wire format with the shared scale
+            acc = decode_rows(encode_rows(acc, codec, leaf_rows[n])[0], None, codec, leaf_rows[n])
+    return acc
+
+
+def all_gather_rows(
+    shard: jax.Array,
+    col: Collective,
+    row_leaf: jax.Array,
+    num_leaves: int,
+    rand_bits: jax.Array | None = None,
+    return_local_error: bool = False,
+):
+    """Quantized all-gather of ``shard: f32[rs, B]`` → ``f32[P·rs, B]``, bit-identical everywhere.
+
+    ``row_leaf: int32[P·rs]`` maps every row of the *gathered* buffer to its leaf (per-tensor
+    scales are computed per leaf over the rows of each shard). With ``return_local_error`` the
+    owner's re-quantization error ``shard − Q(shard)`` is returned too.
+    """
+    codec, axis = col.codec, col.axis_name
+    P = axis_size(axis)
+    rs, B = shard.shape
+    if codec.is_exact:
+        out = jax.lax.all_gather(shard, axis, axis=0, tiled=True)
+        return (out, jnp.zeros_like(shard)) if return_local_error else out
+    idx = jax.lax.axis_index(axis)
+    mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
+    leaf_scale = _leaf_scales(shard, codec, mine, num_leaves, axis, col.global_scale)
+    payload, row_scale = qk.quantize(shard, codec, _rows_of(leaf_scale, mine), rand_bits,
+                                     backend=col.backend)
+    parts = [payload.reshape(-1)]
+    if row_scale is not None:
+        parts.append(_to_bytes(row_scale).reshape(-1))
+    if leaf_scale is not None:
+        parts.append(_to_bytes(leaf_scale))
+    wire = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    gathered = jax.lax.all_gather(wire, axis, axis=0, tiled=False)  # [P, chunk]
+
+    off = rs * codec.row_bytes
+    g_payload = gathered[:, :off].reshape(P * rs, codec.row_bytes)
+    g_row = None
+    if row_scale is not None:
+        k = jnp.dtype(codec.row_scale_dtype).itemsize
+        g_row = _from_bytes(gathered[:, off : off + rs * k].reshape(P * rs, k),
+                            codec.row_scale_dtype)
+        off += rs * k
+    g_leaf_rows = None
+    if leaf_scale is not None:
+        g_leaf = _from_bytes(gathered[:, off:], jnp.float32)  # [P, L]
+        owner = np.arange(P * rs) // rs
+        g_leaf_rows = g_leaf[owner, row_leaf][:, None]
+    out = qk.dequantize_accumulate(
+        g_payload[None], codec,
+        None if g_row is None else g_row[None],
+        None if g_leaf_rows is None else g_leaf_rows[None],
+        backend=col.backend,
+    )
+    if not return_local_error:
+        return out
+    return out, shard - jax.lax.dynamic_slice_in_dim(out, idx * rs, rs)
+
+
+# ---- pytree-level all-reduce ---------------------------------------------------------------
+
+CodecPolicy = Callable[[tuple, jax.Array], Any] | Any
+
+
+def resolve_codecs(tree, codec, block_size, policy) -> list[Codec]:
+    """One :class:`Codec` per leaf: ``policy`` (callable ``(path, leaf) → codec`` or a pytree
+    of codecs matching ``tree``) overrides the default ``codec``; leaves must be floats."""
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if policy is None:
+        chosen = [codec] * len(leaves_with_path)
+    elif callable(policy):
+        chosen = [policy(path, leaf) for path, leaf in leaves_with_path]
+    else:
+        chosen = jax.tree_util.tree_structure(tree).flatten_up_to(policy)
+    out = []
+    for (path, leaf), c in zip(leaves_with_path, chosen, strict=True):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"leaf {jax.tree_util.keystr(path)} has dtype {dtype}: the quantized all-reduce "
+                "reduces floating-point gradients only (mask integer leaves out of the chain)"
+            )
+        c = c if isinstance(c, Codec) else get_codec(c, block_size if c == codec else None)
+        out.append(c)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceSpec:
+    """Static settings of a pytree all-reduce (see :func:`gift_jax.allreduce`)."""
+
+    axis_name: AxisName | None
+    codec: str | Codec = "fp8_e4m3"
+    block_size: int | None = None
+    mean: bool = True
+    policy: Any = None
+    bucket_elems: int = DEFAULT_BUCKET_ELEMS
+    global_scale: bool = False
+    accumulate: str = "fp32"
+    backend: str = "auto"
+    intra_axis: AxisName | None = None
+    intra_codec: str | Codec = "fp32"
+
+    def __post_init__(self):
+        get_codec(self.codec, self.block_size)
+        get_codec(self.intra_codec)
+        qk.resolve_backend(self.backend)
+        if self.accumulate not in ACCUMULATE:
+            raise ValueError(
+                f"accumulate={self.accumulate!r} is not supported; allowed values: {ACCUMULATE}"
+            )
+        if self.bucket_elems <= 0:
+            raise ValueError(f"bucket_elems={self.bucket_elems} must be a positive int")
+        if self.intra_axis is not None and self.axis_name is None:
+            raise ValueError("intra_axis needs an axis_name to reduce across as well")
+
+    def collective(self, codec: Codec, axis) -> Collective:
+        return Collective(axis, codec, self.global_scale and not codec.is_exact,
+                          self.accumulate if not codec.is_exact else "fp32", self.backend)
+
+    def num_shards(self) -> int:
+        n = axis_size(self.axis_name)
+        if self.intra_axis is not None:
+            n *= axis_size(self.intra_axis)
+        return n
+
+    def plan(self, tree) -> tuple[tuple[Bucket, ...], list[Codec]]:
+        codecs = resolve_codecs(tree, self.codec, self.block_size, self.policy)
+        shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
+        quantized = [c for c in codecs if not c.is_exact]
+        shapes_q = [s for s, c in zip(shapes, codecs, strict=True) if not c.is_exact]
+        idx_q = [i for i, c in enumerate(codecs) if not c.is_exact]
+        buckets = plan_buckets(shapes_q, quantized, self.num_shards(), self.bucket_elems)
+        # re-index slots to the full leaf list
+        buckets = tuple(
+            dataclasses.replace(
+                b, slots=tuple(dataclasses.replace(s, leaf=idx_q[s.leaf]) for s in b.slots)
+            )
+            for b in buckets
+        )
+        return buckets, codecs
+
+
+def _bits(key, idx, shape):
+    return None if key is None else jax.random.bits(jax.random.fold_in(key, idx), shape,
+                                                    jnp.uint32)
+
+
+def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual):
+    """All-reduce one packed bucket; returns ``(sum or mean, new local error, new shard error)``.
+
+    ``key`` (or ``None``) drives stochastic rounding of both quantizations; it is folded with
+    the replica index so replicas draw independent bits.
+    """
+    col = spec.collective(bucket.codec, spec.axis_name)
+    row_leaf = jnp.asarray(bucket.row_leaf_ids())
+    L = bucket.num_leaves
+    P = spec.num_shards()
+    k1 = k2 = None
+    if key is not None:
+        k1, k2 = jax.random.split(key)
+    idx = jax.lax.axis_index(spec.axis_name)
+    if spec.intra_axis is not None:
+        idx = idx * axis_size(spec.intra_axis) + jax.lax.axis_index(spec.intra_axis)
+        intra = spec.collective(get_codec(spec.intra_codec), spec.intra_axis)
+        s1 = reduce_scatter_rows(x, intra, row_leaf, L)
+        rows1 = s1.shape[0]
+        leaf1 = jax.lax.dynamic_slice_in_dim(
+            row_leaf, jax.lax.axis_index(spec.intra_axis) * rows1, rows1)
+        s2 = reduce_scatter_rows(s1, col, leaf1, L, _bits(k1, idx, s1.shape))
+        if spec.mean:
+            s2 = s2 / P
+        g2 = all_gather_rows(s2, col, leaf1, L, _bits(k2, idx, s2.shape))
+        return all_gather_rows(g2, intra, row_leaf, L), None, None
+    ef = residual is not None
+    if ef:
+        local_err, shard_err = residual
+        x = x + local_err
+    out = reduce_scatter_rows(x, col, row_leaf, L, _bits(k1, idx, x.shape),
+                              return_local_error=ef)
+    shard, new_local = out if ef else (out, None)
+    if spec.mean:
+        shard = shard / P
+    if ef:
+        shard = shard + shard_err
+    out = all_gather_rows(shard, col, row_leaf, L, _bits(k2, idx, shard.shape),
+                          return_local_error=ef)
+    full, new_shard = out if ef else (out, None)
+    return full, new_local, new_shard
+
+
+def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
+    """Quantized all-reduce of a pytree; the workhorse of :func:`gift_jax.allreduce`.
+
+    Args:
+      tree: pytree of float arrays (per-device values inside ``jax.shard_map``).
+      spec: static settings.
+      key: PRNG key (identical on every replica) switching on stochastic rounding; it is
+        folded with the replica index so that replicas draw independent bits.
+      residuals: error-feedback buffers from :func:`init_residuals` (or ``None``).
+
+    Returns:
+      ``(reduced tree, new residuals)`` — the reduced leaves keep their dtypes.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if spec.axis_name is None:
+        resolve_codecs(tree, spec.codec, spec.block_size, spec.policy)  # validates leaves
+        return tree, residuals
+    buckets, codecs = spec.plan(tree)
+    out = list(leaves)
+    for i, (leaf, c) in enumerate(zip(leaves, codecs, strict=True)):
+        if c.is_exact:
+            red = jax.lax.psum(leaf, spec.axis_name)
+            if spec.intra_axis is not None:
+                red = jax.lax.psum(red, spec.intra_axis)
+            out[i] = red / spec.num_shards() if spec.mean else red
+    keys = [None] * len(buckets) if key is None else list(jax.random.split(key, len(buckets)))
+    new_res = []
+    for b, bucket in enumerate(buckets):
+        res = None if residuals is None else _bucket_residual_in(residuals, bucket, b)
+        full, new_local, new_shard = _bucket_all_reduce(
+            bucket.pack(leaves), bucket, spec, keys[b], res)
+        for leaf_idx, value in bucket.unpack(full).items():
+            out[leaf_idx] = value.astype(jnp.result_type(leaves[leaf_idx]))
+        if residuals is not None:
+            new_res.append((bucket.unpack(new_local), new_shard))
+    if residuals is not None:
+        residuals = _residuals_out(residuals, new_res, treedef)
+    return jax.tree_util.tree_unflatten(treedef, out), residuals
+
+
+# ---- error-feedback buffers ----------------------------------------------------------------
+
+
+def init_residuals(tree, spec: AllReduceSpec):
+    """Zero error-feedback buffers ``(local, shard)`` (call where ``spec.axis_name`` is bound).
+
+    ``local`` is a pytree like the gradients with a leading axis of 1 — each replica's own
+    quantization error, added to its next gradient; ``shard`` holds one ``f32[1, rows/P, B]``
+    per bucket — the owner's re-quantization error of its reduced shard. Both differ per
+    replica: inside ``jax.shard_map`` give them the out-spec ``P(axis_name)`` (see
+    :func:`gift_jax.partition_specs`).
+    """
+    buckets, _ = spec.plan(tree)
+    P = spec.num_shards()
+    local = jax.tree_util.tree_map(lambda x: jnp.zeros((1, *jnp.shape(x)), jnp.float32), tree)
+    shard = tuple(jnp.zeros((1, b.rows // P, b.codec.row_size), jnp.float32) for b in buckets)
+    return (local, shard)
+
+
+def _bucket_residual_in(residuals, bucket: Bucket, b):
+    local, shard = residuals
+    local_leaves = jax.tree_util.tree_leaves(local)
+    packed = bucket.pack([r[0] for r in local_leaves])
+    return packed, shard[b][0]
+
+
+def _residuals_out(residuals, new_res, treedef):
+    local, _ = residuals
+    local_leaves = list(jax.tree_util.tree_leaves(local))
+    shards = []
+    for unpacked, shard in new_res:
+        for leaf_idx, value in unpacked.items():
+            local_leaves[leaf_idx] = value[None]
+        shards.append(shard[None])
+    return (jax.tree_util.tree_unflatten(treedef, local_leaves), tuple(shards))
+
+
+# ---- array-level functions -----------------------------------------------------------------
+
+
+def quantized_psum(tree, axis_name: AxisName | None, *, codec: str | Codec = "fp8_e4m3",
+                   mean: bool = False, key=None, **settings):
+    """Quantized ``psum`` (or ``pmean`` with ``mean=True``) of an array or pytree.
+
+    ``settings`` are those of :class:`AllReduceSpec` (``block_size``, ``policy``,
+    ``bucket_elems``, ``global_scale``, ``accumulate``, ``backend``, ``intra_axis``,
+    ``intra_codec``). ``key`` switches on stochastic rounding.
+    """
+    spec = AllReduceSpec(axis_name, codec, mean=mean, **settings)
+    return all_reduce_tree(tree, spec, key=key)[0]
+
+
+def _flat_rows(x: jax.Array, codec: Codec, multiple: int) -> tuple[jax.Array, int]:
+    flat = x.astype(jnp.float32).reshape(-1)
+    B = codec.row_size
+    rows = max(1, -(-flat.shape[0] // B))
+    rows = -(-rows // multiple) * multiple
+    return jnp.pad(flat, (0, rows * B - flat.shape[0])).reshape(rows, B), rows
+
+
+def quantized_reduce_scatter(x: jax.Array, axis_name: AxisName, *,
+                             codec: str | Codec = "fp8_e4m3", block_size: int | None = None,
+                             backend: str = "auto", key=None) -> jax.Array:
+    """Quantized reduce-scatter of an array: the fp32 sum of this replica's shard.
+
+    ``x`` is flattened and zero-padded to ``P·rows_per_shard·row_size`` elements; replica ``i``
+    receives elements ``[i·L, (i+1)·L)`` of the padded sum, ``L = len(result)``. The whole
+    array shares one per-tensor scale per sender.
+    """
+    codec = get_codec(codec, block_size)
+    P = axis_size(axis_name)
+    x2, rows = _flat_rows(x, codec, P)
+    bits = None
+    if key is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+        bits = jax.random.bits(key, x2.shape, jnp.uint32)
+    col = Collective(axis_name, codec, backend=backend)
+    shard = reduce_scatter_rows(x2, col, jnp.zeros((rows,), jnp.int32), 1, bits)
+    return shard.reshape(-1)
+
+
+def quantized_all_gather(shard: jax.Array, axis_name: AxisName, *,
+                         codec: str | Codec = "fp8_e4m3", block_size: int | None = None,
+                         backend: str = "auto", key=None) -> jax.Array:
+    """Quantized, tiled all-gather of ``shard`` (any shape) → ``f32[P·shard.size]``.
+
+    Each owner scales its shard (per tensor or per block); every replica decodes the same
+    bytes, so the result is bit-identical everywhere.
+    """
+    codec = get_codec(codec, block_size)
+    P = axis_size(axis_name)
+    x2, rows = _flat_rows(shard, codec, 1)
+    bits = None
+    if key is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+        bits = jax.random.bits(key, x2.shape, jnp.uint32)
+    col = Collective(axis_name, codec, backend=backend)
+    out = all_gather_rows(x2, col, jnp.zeros((P * rows,), jnp.int32), 1, bits)
+    n = shard.size
+    return out.reshape(P, rows * codec.row_size)[:, :n].reshape(-1)
+
+
+def local_roundtrip(tree, codec: str | Codec = "fp8_e4m3", block_size=None):
+    """Per-leaf local quantize→dequantize (what one replica's contribution looks like)."""
+    return jax.tree_util.tree_map(lambda x: roundtrip(x, codec, block_size).astype(x.dtype), tree)
