@@ -15,7 +15,13 @@ from gift_jax.collectives import (
     quantized_psum,
     quantized_reduce_scatter,
 )
-from gift_jax.comm_stage import AllReduceState, allreduce, matrices_only, partition_specs
+from gift_jax.comm_stage import (
+    AllReduceState,
+    allreduce,
+    init_on_mesh,
+    matrices_only,
+    partition_specs,
+)
 from gift_jax.wire import WireReport, parse_hlo, wire_bytes
 
 __version__ = "0.1.0"
@@ -28,6 +34,7 @@ __all__ = [
     "WireReport",
     "allreduce",
     "get_codec",
+    "init_on_mesh",
     "matrices_only",
     "parse_hlo",
     "partition_specs",

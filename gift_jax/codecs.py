@@ -198,6 +198,18 @@ def _floor_log2(y: jax.Array) -> jax.Array:
 # ---- scales --------------------------------------------------------------------------------
 
 
+def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
+    """``max |x|``, and ``+inf`` whenever the group holds a NaN or Inf.
+
+    The non-finite check is an explicit boolean reduction: a float ``max`` reduction is not
+    guaranteed to propagate NaN once XLA fuses and vectorises it (on CPU it does not).
+    """
+    finite = jnp.isfinite(x)
+    amax = jnp.max(jnp.abs(jnp.where(finite, x, 0.0)), axis=axis, keepdims=keepdims)
+    bad = jnp.any(~finite, axis=axis, keepdims=keepdims)
+    return jnp.where(bad, jnp.float32(jnp.inf), amax.astype(jnp.float32))
+
+
 def amax_to_scale(amax: jax.Array, fmax: float) -> jax.Array:
     """``amax / fmax``; 1 for an all-zero group; NaN for a non-finite ``amax``."""
     amax = amax.astype(jnp.float32)
@@ -246,7 +258,7 @@ def row_scales(x: jax.Array, leaf_scale: jax.Array | None, codec: Codec):
     if codec.row_scale_dtype is None:
         divisor = leaf_scale if leaf_scale is not None else jnp.ones((x.shape[0], 1), jnp.float32)
         return None, divisor
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    amax = abs_max(x, axis=1, keepdims=True)
     if codec.name == "mxfp8":
         byte = _mx_exponent_byte(amax)
         return byte, _mx_scale(byte)
@@ -390,7 +402,7 @@ def roundtrip(x: jax.Array, codec: str | Codec, block_size: int | None = None) -
     padded = jnp.pad(flat, (0, rows * B - n)).reshape(rows, B)
     leaf = None
     if codec.has_leaf_scale:
-        scale = leaf_scale_from_amax(jnp.max(jnp.abs(flat)) if n else jnp.float32(0), codec)
+        scale = leaf_scale_from_amax(abs_max(flat) if n else jnp.float32(0), codec)
         leaf = jnp.broadcast_to(scale, (rows, 1))
     payload, wire_scale = encode_rows(padded, codec, leaf)
     out = decode_rows(payload, wire_scale, codec, leaf).reshape(-1)[:n]

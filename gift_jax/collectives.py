@@ -24,6 +24,7 @@ shard across ``axis_name``, and an all-gather back over the intra axis.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gift_jax.codecs import Codec, get_codec, leaf_scale_from_amax, roundtrip
+from gift_jax.codecs import Codec, abs_max, get_codec, leaf_scale_from_amax, roundtrip
 from gift_jax.kernels import quantize as qk
 from gift_jax.layout import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
 
@@ -52,6 +53,26 @@ def axis_size(axis_name: AxisName) -> int:
             "jax.shard_map over a mesh that has this axis (or pass axis_name=None for a "
             "single device)"
         ) from e
+
+
+_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
+
+
+def _all_gather_invariant(x: jax.Array, axis_name: AxisName, tiled: bool = False) -> jax.Array:
+    """``all_gather`` whose result is typed *invariant* over the axis (it is: every replica
+    holds the same bytes), so outputs can leave ``shard_map`` as ``P()`` under ``check_vma``."""
+    if _GATHER_HAS_TO:
+        return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")
+    return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled)
+
+
+def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Type a per-device value as varying over the axis (for ``check_vma=True``)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axis_name, to="varying")
+    if hasattr(jax.lax, "pvary"):
+        return jax.lax.pvary(x, axis_name)
+    return x
 
 
 def _to_bytes(a: jax.Array) -> jax.Array:
@@ -77,7 +98,7 @@ def _leaf_amax(x: jax.Array, row_leaf: jax.Array, num_leaves: int) -> jax.Array:
 
     Rows of leaves absent from ``x`` contribute nothing (their amax is 0).
     """
-    row_amax = jnp.max(jnp.abs(x), axis=1)
+    row_amax = abs_max(x, axis=1)
     bad = ~jnp.isfinite(row_amax)
     amax = jax.ops.segment_max(jnp.where(bad, 0.0, row_amax), row_leaf, num_leaves)
     leaf_bad = jax.ops.segment_max(bad.astype(jnp.int32), row_leaf, num_leaves) > 0
@@ -230,7 +251,7 @@ def all_gather_rows(
     P = axis_size(axis)
     rs, B = shard.shape
     if codec.is_exact:
-        out = jax.lax.all_gather(shard, axis, axis=0, tiled=True)
+        out = _all_gather_invariant(shard, axis, tiled=True)
         return (out, jnp.zeros_like(shard)) if return_local_error else out
     idx = jax.lax.axis_index(axis)
     mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
@@ -243,7 +264,7 @@ def all_gather_rows(
     if leaf_scale is not None:
         parts.append(_to_bytes(leaf_scale))
     wire = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    gathered = jax.lax.all_gather(wire, axis, axis=0, tiled=False)  # [P, chunk]
+    gathered = _all_gather_invariant(wire, axis)  # [P, chunk]
 
     off = rs * codec.row_bytes
     g_payload = gathered[:, :off].reshape(P * rs, codec.row_bytes)
@@ -314,13 +335,10 @@ class AllReduceSpec:
     intra_codec: str | Codec = "fp32"
 
     def __post_init__(self):
-        get_codec(self.codec, self.block_size)
         get_codec(self.intra_codec)
-        qk.resolve_backend(self.backend)
-        if self.accumulate not in ACCUMULATE:
-            raise ValueError(
-                f"accumulate={self.accumulate!r} is not supported; allowed values: {ACCUMULATE}"
-            )
+        # validates codec, block size, accumulate, global_scale and backend together
+        Collective(self.axis_name, get_codec(self.codec, self.block_size), self.global_scale,
+                   self.accumulate, self.backend)
         if self.bucket_elems <= 0:
             raise ValueError(f"bucket_elems={self.bucket_elems} must be a positive int")
         if self.intra_axis is not None and self.axis_name is None:
@@ -455,8 +473,12 @@ def init_residuals(tree, spec: AllReduceSpec):
     """
     buckets, _ = spec.plan(tree)
     P = spec.num_shards()
-    local = jax.tree_util.tree_map(lambda x: jnp.zeros((1, *jnp.shape(x)), jnp.float32), tree)
-    shard = tuple(jnp.zeros((1, b.rows // P, b.codec.row_size), jnp.float32) for b in buckets)
+
+    def zeros(shape):
+        return _as_varying(jnp.zeros(shape, jnp.float32), spec.axis_name)
+
+    local = jax.tree_util.tree_map(lambda x: zeros((1, *jnp.shape(x))), tree)
+    shard = tuple(zeros((1, b.rows // P, b.codec.row_size)) for b in buckets)
     return (local, shard)
 
 

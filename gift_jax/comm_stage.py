@@ -141,3 +141,20 @@ def partition_specs(opt_state, axis_name: AxisName):
 
     return jax.tree_util.tree_map(specs, opt_state,
                                   is_leaf=lambda n: isinstance(n, AllReduceState))
+
+
+def init_on_mesh(tx: optax.GradientTransformation, params, mesh, axis_name: AxisName = "data"):
+    """``tx.init(params)`` run inside ``jax.shard_map`` over ``mesh``, so that per-device
+    buffers (error feedback) are created per device and sharded over ``axis_name``.
+
+    ``params`` are replicated (``P()``). Returns the state, placed on the mesh.
+    """
+    def run(p):
+        return jax.shard_map(tx.init, mesh=mesh, in_specs=PartitionSpec(), out_specs=out_specs,
+                             check_vma=False)(p)
+
+    # the structure (not the global shapes) is all partition_specs needs
+    probe = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=PartitionSpec(),
+                                         out_specs=PartitionSpec(), check_vma=False), params)
+    out_specs = partition_specs(probe, axis_name)
+    return jax.jit(run)(params)

@@ -47,6 +47,15 @@ def _tile_rows(rows: int, block_rows: int) -> int:
     return max(1, min(block_rows, rows))
 
 
+def _out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """An output spec that varies over the same mesh axes as ``like`` (inside shard_map with
+    ``check_vma=True`` Pallas needs to be told)."""
+    mat = getattr(jax.typeof(like), "manual_axis_type", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def _pad_rows(a: jax.Array | None, rows: int, axis: int = 0):
     if a is None or a.shape[axis] == rows:
         return a
@@ -91,10 +100,10 @@ def quantize_pallas(x, leaf_scale, rand_bits, *, codec: Codec, block_rows: int, 
         if scale_dtype is not None:
             next(it)[...] = scale
 
-    out_shape = [jax.ShapeDtypeStruct((padded, codec.row_bytes), jnp.uint8)]
+    out_shape = [_out_struct((padded, codec.row_bytes), jnp.uint8, x)]
     out_specs = [pl.BlockSpec((tr, codec.row_bytes), lambda i: (i, 0))]
     if scale_dtype is not None:
-        out_shape.append(jax.ShapeDtypeStruct((padded, 1), scale_dtype))
+        out_shape.append(_out_struct((padded, 1), scale_dtype, x))
         out_specs.append(pl.BlockSpec((tr, 1), lambda i: (i, 0)))
     outs = pl.pallas_call(
         kernel,
@@ -165,7 +174,7 @@ def dequantize_accumulate_pallas(payload, row_scale, leaf_scale, *, codec: Codec
 
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((padded, B), jnp.float32),
+        out_shape=_out_struct((padded, B), jnp.float32, payload),
         grid=(padded // tr,),
         in_specs=specs,
         out_specs=pl.BlockSpec((tr, B), lambda i: (i, 0)),
