@@ -23,7 +23,7 @@ nvfp4      float4_e2m1fn    float8_e4m3fn per 16      fp32 per tensor
 ========== ================ ========================= ==============================
 
 Scaling maps the absolute maximum ``amax`` of the scaled group onto the format maximum:
-``s = amax / fmax`` and ``q = sat(x / s)``, decoded as ``q · s``. Casts saturate: an fp32 value
+``s = amax / fmax`` and ``q = sat(x · (1/s))``, decoded as ``q · s``. Casts saturate: an fp32 value
 beyond ``fmax`` becomes ``±fmax`` (``float8_e4m3fn`` has no infinity, and XLA's plain convert
 would turn an overflow into NaN). A zero group gets ``s = 1`` and encodes exact zeros. A
 non-finite ``amax`` (NaN or Inf somewhere in the group) gives a NaN scale, so the *whole group*
@@ -368,8 +368,10 @@ def encode_rows(
     if codec.row_scale_dtype is None and codec.has_leaf_scale is False:
         y = x  # bf16: no scaling at all
     else:
-        safe = jnp.where(divisor == 0, jnp.float32(1.0), divisor)
-        y = jnp.where(divisor == 0, jnp.float32(0.0), x / safe)
+        # one reciprocal per row, then a multiply per element (exact for power-of-two scales;
+        # within one fp32 ulp of x / s otherwise, far below the 8-bit rounding that follows).
+        # A zero divisor (an NVFP4 block scale that underflowed) encodes zeros.
+        y = x * jnp.where(divisor == 0, jnp.float32(0.0), 1.0 / divisor)
     u = None if rand_bits is None else uniform_from_bits(rand_bits, codec)
     return encode_elements(y, codec, u), wire_scale
 

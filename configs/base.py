@@ -1,0 +1,96 @@
+"""Base configuration: every setting of a run, with defaults; model configs override it.
+
+A run is base + model config + experiment overrides + command-line overrides, e.g.
+``--config=configs/tiny.py --config.comm.mode=gift_fp8``. The ``model`` group holds exactly the
+fields of ``gift_jax.models.LlamaConfig`` (build it with ``LlamaConfig.from_mapping``).
+
+The defaults are the ``tiny`` byte-level model (vocab 256; 857,216 parameters).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+
+    # ------------------------------------------------------------------ model (LlamaConfig)
+    model = config.model = ml_collections.ConfigDict()
+    model.vocab_size = 256  # token ids; 256 = byte-level tokenizer
+    model.d_model = 128  # residual-stream width
+    model.num_layers = 4  # transformer blocks
+    model.num_heads = 4  # query heads; must divide d_model, head_dim must be even
+    model.num_kv_heads = ml_collections.FieldReference(None, field_type=int)  # None = num_heads
+    model.d_ff = 344  # SwiGLU hidden width
+    model.max_seq_len = 128  # longest accepted sequence
+    model.rope_theta = 10000.0  # base of the rotary frequencies
+    model.norm_eps = 1e-5  # RMSNorm epsilon
+    model.tie_embeddings = False  # share the embedding matrix with the output head
+    model.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
+    model.param_dtype = "float32"  # parameter storage dtype
+    model.init_std = 0.02  # std of the normal init of kernels and embedding
+    model.attention_impl = "reference"  # "reference" (einsum, fp32 softmax) | "jax" (cuDNN/XLA)
+    model.remat = False  # recompute block activations in the backward pass
+
+    # ------------------------------------------------------------------ optimizer
+    opt = config.optimizer = ml_collections.ConfigDict()
+    opt.name = "adamw"  # "adamw" | "muon"
+    opt.learning_rate = 3e-3  # peak learning rate (after warmup)
+    opt.final_learning_rate = 3e-4  # learning rate at the end of the decay
+    opt.warmup_steps = 30  # linear warmup from 0 to the peak
+    opt.schedule = "cosine"  # decay after warmup: "cosine" | "linear" | "constant"
+    opt.weight_decay = 0.0  # decoupled weight decay
+    opt.b1 = 0.9  # Adam first-moment decay
+    opt.b2 = 0.95  # Adam second-moment decay
+    opt.eps = 1e-8  # Adam denominator epsilon
+    opt.grad_clip_norm = 1.0  # global-norm clipping after the reduction; 0 disables
+    opt.momentum = 0.9  # Muon momentum
+    opt.nesterov = True  # Muon Nesterov momentum
+    opt.muon_scale_mode = "spectral"  # Muon update scaling (Megatron's "spectral" mode)
+    opt.muon_extra_scale_factor = 0.2  # extra factor on the Muon update (artifact: 0.2)
+
+    # ------------------------------------------------------------------ training loop
+    train = config.train = ml_collections.ConfigDict()
+    train.seed = 0  # seed of parameter init, data order and sampling keys
+    train.global_batch_size = 8  # sequences per step, summed over data-parallel replicas
+    train.seq_len = 128  # tokens per training sequence
+    train.num_steps = 300  # optimizer steps
+    train.log_every = 10  # steps between metric logs
+    train.eval_every = 100  # steps between evaluations; 0 disables
+    train.eval_batches = 4  # batches per evaluation
+    train.checkpoint_every = 0  # steps between checkpoints; 0 disables
+    train.workdir = ""  # checkpoints and metrics directory; "" = no output files
+
+    # ------------------------------------------------------------------ gradient communication
+    comm = config.comm = ml_collections.ConfigDict()
+    comm.mode = "fp32"  # "fp32" | "bf16" | "fp8" | "gift_fp8" | "plumage"
+    comm.codec = "fp8_e4m3"  # low-precision codec: "fp8_e4m3" | "fp8_e5m2" | "mxfp8" | "nvfp4"
+    comm.scaling = "tensor"  # scale granularity: "tensor" | "block"
+    comm.block_size = 128  # elements per scale when scaling == "block"
+    comm.stochastic_rounding = False  # unbiased rounding in the quantizer
+    comm.error_feedback = False  # carry each replica's quantization error to the next step
+    comm.fp8_accumulation = False  # emulate the artifact's FP8 NCCL accumulation (global pmax)
+
+    # ------------------------------------------------------------------ GIFT whitening
+    gift = config.gift = ml_collections.ConfigDict()
+    gift.layers = ("*/mlp/down_proj",)  # fnmatch patterns of whitened nnx.Linear paths
+    gift.rank = 32  # eigenpairs kept in the low-rank input factor A
+    gift.refresh_every = 50  # steps between factor refreshes (K)
+    gift.damping = 1e-3  # floor of the remainder / Tikhonov damping of A
+    gift.ema = 0.95  # EMA decay of A across refreshes
+    gift.remainder = "diagonal"  # remainder of A beyond rank r: "diagonal" | "isotropic"
+
+    # ------------------------------------------------------------------ PLUMAGE low-rank gradients
+    plumage = config.plumage = ml_collections.ConfigDict()
+    plumage.layers = ("*/attn/*_proj", "*/mlp/*_proj")  # projected layers (GaLore's targets)
+    plumage.projector = "plumage"  # "plumage" | "galore" | "flora"
+    plumage.rank = 128  # projection rank k
+    plumage.refresh_every = 200  # steps between projection refreshes (tau)
+    plumage.scale = 0.25  # scale of the back-projected update (GaLore's alpha)
+    plumage.realign_moments = True  # rotate Adam moments when the projection changes
+
+    # ------------------------------------------------------------------ data
+    data = config.data = ml_collections.ConfigDict()
+    data.source = "shakespeare"  # corpus; "shakespeare" is bundled (byte-level tokens)
+    data.shuffle_seed = 0  # seed of the example order
+
+    return config

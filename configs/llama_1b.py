@@ -1,0 +1,28 @@
+"""GaLore/PLUMAGE Llama-1B recipe (C4, GaLore's scripts): 1,339,082,752 parameters.
+
+24 blocks, d_model 2048, 32 heads (head_dim 64), SwiGLU d_ff 5461, vocab 32000,
+untied head, sequences of 256 tokens; rank 512 (the paper; GaLore's script uses 1024); 100000
+steps with 10000 warmup steps. Everything else (lr 0.01, galore scale 0.25, refresh every 200
+steps, global batch 512, cosine to 0.1 × lr) comes from llama_60m.py.
+"""
+
+import pathlib
+import runpy
+
+import ml_collections
+
+_LLAMA_60M = runpy.run_path(str(pathlib.Path(__file__).with_name("llama_60m.py")))
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = _LLAMA_60M["get_config"]()
+
+    config.model.d_model = 2048  # residual width
+    config.model.num_layers = 24  # blocks
+    config.model.num_heads = 32  # head_dim 64
+    config.model.d_ff = 5461  # SwiGLU hidden width
+
+    config.optimizer.warmup_steps = 10000  # linear warmup (10% of the run)
+    config.train.num_steps = 100000  # optimizer steps
+    config.plumage.rank = 512  # projection rank
+    return config

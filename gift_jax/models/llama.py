@@ -1,0 +1,466 @@
+"""A Llama decoder in Flax NNX: RMSNorm, rotary embeddings, (grouped-query) attention, SwiGLU.
+
+Parameter layout (paths as ``/``-joined keys of ``nnx.state(model, nnx.Param)``)::
+
+    embed/embedding                      (vocab_size, d_model)
+    layers/<i>/attn_norm/scale           (d_model,)
+    layers/<i>/attn/q_proj/kernel        (d_model, num_heads * head_dim)
+    layers/<i>/attn/k_proj/kernel        (d_model, num_kv_heads * head_dim)
+    layers/<i>/attn/v_proj/kernel        (d_model, num_kv_heads * head_dim)
+    layers/<i>/attn/o_proj/kernel        (num_heads * head_dim, d_model)
+    layers/<i>/mlp_norm/scale            (d_model,)
+    layers/<i>/mlp/gate_proj/kernel      (d_model, d_ff)
+    layers/<i>/mlp/up_proj/kernel        (d_model, d_ff)
+    layers/<i>/mlp/down_proj/kernel      (d_ff, d_model)      # the artifact's "fc2"
+    final_norm/scale                     (d_model,)
+    lm_head/kernel                       (d_model, vocab_size)  # absent when tie_embeddings
+
+Every projection is an ``nnx.Linear`` without bias, so Flax kernels are (in × out): the
+*input* side of a layer, where GIFT's factor ``A = E[x xᵀ]`` acts, is the first kernel axis.
+
+The blocks live in an ``nnx.List`` (one Python object per block, unrolled under ``jit``) rather
+than a scanned, stacked block. This keeps one kernel per layer and per-layer paths such as
+``layers/17/mlp/down_proj/kernel``, which is what per-layer gradient transformations, layer
+selection by path pattern and input-statistics capture need; the price is compile time linear
+in depth, acceptable up to the 32 layers used here.
+
+Precision: parameters are stored in ``param_dtype`` (fp32); matmuls run in ``dtype`` (fp32 or
+bf16). RMSNorm statistics, rotary angles, attention softmax and the loss are computed in fp32
+whatever ``dtype`` is; the residual stream is carried in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+__all__ = [
+    "Attention",
+    "Block",
+    "Llama",
+    "LlamaConfig",
+    "MLP",
+    "RMSNorm",
+    "apply_rope",
+    "count_params",
+    "next_token_loss",
+    "param_shapes",
+    "rope_angles",
+]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_ATTENTION_IMPLS = ("reference", "jax")
+
+
+def _dtype_name(value: Any, field: str) -> str:
+    """Normalises a dtype given as a name or a dtype object to one of ``_DTYPES``' names."""
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in _DTYPES:
+        raise ValueError(f"LlamaConfig.{field} must be one of {sorted(_DTYPES)}, got {value!r}.")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static hyper-parameters of a Llama model.
+
+    Attributes:
+      vocab_size: number of token ids (rows of the embedding, columns of the head).
+      d_model: width of the residual stream.
+      num_layers: number of transformer blocks.
+      num_heads: number of query heads; must divide ``d_model``.
+      num_kv_heads: number of key/value heads (grouped-query attention); must divide
+        ``num_heads``. ``None`` means ``num_heads`` (plain multi-head attention).
+      d_ff: hidden width of the SwiGLU MLP.
+      max_seq_len: longest sequence the model accepts.
+      rope_theta: base of the rotary frequencies.
+      norm_eps: epsilon inside RMSNorm's square root.
+      tie_embeddings: reuse the token embedding as output head (no ``lm_head``).
+      dtype: compute dtype of the matmuls: 'float32', 'bfloat16' or 'float16'.
+      param_dtype: storage dtype of the parameters (normally 'float32').
+      init_std: standard deviation of the normal initialiser of every kernel and the embedding.
+      attention_impl: 'reference' (explicit einsums, fp32 softmax, O(T²) memory) or 'jax'
+        (``jax.nn.dot_product_attention``: cuDNN flash attention on GPU in bf16/fp16, XLA
+        elsewhere).
+      remat: recompute each block's activations in the backward pass (``nnx.remat``).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    d_ff: int = 344
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    init_std: float = 0.02
+    attention_impl: str = "reference"
+    remat: bool = False
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"LlamaConfig.{field} must be a positive int, got {value!r}.")
+            object.__setattr__(self, field, int(value))
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"LlamaConfig.num_heads must divide d_model={self.d_model}, got "
+                f"num_heads={self.num_heads}."
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"LlamaConfig: head_dim = d_model / num_heads must be even for rotary "
+                f"embeddings, got {self.head_dim} (d_model={self.d_model}, "
+                f"num_heads={self.num_heads})."
+            )
+        kv = self.num_kv_heads
+        if kv is not None and (
+            isinstance(kv, bool)
+            or not isinstance(kv, numbers.Integral)
+            or kv < 1
+            or self.num_heads % kv
+        ):
+            raise ValueError(
+                f"LlamaConfig.num_kv_heads must be None or a positive divisor of "
+                f"num_heads={self.num_heads}, got {kv!r}."
+            )
+        if kv is not None:
+            object.__setattr__(self, "num_kv_heads", int(kv))
+        for field in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, field)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{field} must be a positive number, got {value!r}.")
+            object.__setattr__(self, field, float(value))
+        for field in ("tie_embeddings", "remat"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"LlamaConfig.{field} must be a bool, got {getattr(self, field)!r}."
+                )
+        if self.attention_impl not in _ATTENTION_IMPLS:
+            raise ValueError(
+                f"LlamaConfig.attention_impl must be one of {_ATTENTION_IMPLS}, got "
+                f"{self.attention_impl!r}."
+            )
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> LlamaConfig:
+        """Builds a config from a mapping (e.g. ``config.model`` of an ml_collections config).
+
+        Unknown keys raise ``ValueError`` so that a typo in a config file is not ignored.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(mapping) - names)
+        if unknown:
+            raise ValueError(f"Unknown LlamaConfig fields {unknown}; allowed: {sorted(names)}.")
+        return cls(**dict(mapping))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads after resolving ``num_kv_heads=None``."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(_DTYPES[self.dtype])
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        return jnp.dtype(_DTYPES[self.param_dtype])
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Rotary angles ``φ[t, i] = p_t · θ^(−2i/d)`` for ``i < d/2``, in fp32.
+
+    Args:
+      positions: integer positions, any shape ``S``.
+      head_dim: ``d``, the (even) per-head dimension.
+      theta: the frequency base.
+
+    Returns:
+      fp32 array of shape ``S + (d/2,)``.
+    """
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Rotates feature pairs ``(x_i, x_{i+d/2})`` by the angles ``φ_i`` (the "half" layout).
+
+    For each pair, ``(x₁, x₂) ↦ (x₁ cos φ − x₂ sin φ, x₂ cos φ + x₁ sin φ)``: a rotation
+    ``R(φ)``. Since ``R(φ_m)ᵀ R(φ_n) = R(φ_n − φ_m)``, the score ``⟨R_m q, R_n k⟩`` depends on
+    the positions only through ``n − m``.
+
+    Args:
+      x: ``(batch, seq, heads, head_dim)``.
+      angles: ``(batch, seq, head_dim/2)`` or ``(seq, head_dim/2)`` from ``rope_angles``.
+
+    Returns:
+      The rotated array, same shape and dtype as ``x`` (computed in fp32).
+    """
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``softmax(q kᵀ / √d + causal mask) v`` with grouped key/value heads, fp32 softmax.
+
+    Shapes: q ``(B, T, H, D)``; k, v ``(B, T, K, D)`` with ``K | H``; query head ``h`` reads
+    key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in q's dtype.
+    """
+    b, t, h, d = q.shape
+    groups = h // k.shape[2]
+    qg = q.reshape(b, t, k.shape[2], groups, d)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square normalisation: ``y = x / sqrt(mean(x²) + ε) · g``.
+
+    Unlike LayerNorm there is no centring and no bias; ``g`` (``scale``) starts at ones.
+    The statistic is computed in fp32 and the result cast to the compute dtype.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype,
+        kernel_init=nnx.initializers.normal(cfg.init_std),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with rotary embeddings and grouped key/value heads.
+
+    ``q = x W_q``, ``k = x W_k``, ``v = x W_v`` (K ≤ H heads for k, v), rotate q and k by
+    RoPE, ``o = softmax(q kᵀ/√d + M) v`` with the causal mask M, output ``o W_o``.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.impl = cfg.attention_impl
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.q_proj = _linear(cfg, cfg.d_model, q_dim, rngs)
+        self.k_proj = _linear(cfg, cfg.d_model, kv_dim, rngs)
+        self.v_proj = _linear(cfg, cfg.d_model, kv_dim, rngs)
+        self.o_proj = _linear(cfg, q_dim, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        if self.impl == "jax":
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = _causal_attention_reference(q, k, v)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(x W_gate) ⊙ (x W_up))``, ``silu(z) = z·σ(z)``."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
+        self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
+        self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``h = x + attn(norm(x))``, ``y = h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        norm = dict(eps=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, **norm)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), angles)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _block_forward(block: Block, x: jax.Array, angles: jax.Array) -> jax.Array:
+    return block(x, angles)
+
+
+_block_forward_remat = nnx.remat(_block_forward)
+
+
+class Llama(nnx.Module):
+    """Decoder-only Llama language model.
+
+    ``logits = head(norm(blocks(embed(tokens))))``; with ``tie_embeddings`` the head is the
+    transposed embedding matrix. Call with int tokens ``(batch, seq)``; returns logits
+    ``(batch, seq, vocab_size)`` in the compute dtype.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"Llama expects a LlamaConfig, got {type(config).__name__}.")
+        self.config = config
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.d_model,
+            dtype=config.compute_dtype,
+            param_dtype=config.storage_dtype,
+            embedding_init=nnx.initializers.normal(config.init_std),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(
+            config.d_model,
+            eps=config.norm_eps,
+            dtype=config.compute_dtype,
+            param_dtype=config.storage_dtype,
+        )
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else _linear(config, config.d_model, config.vocab_size, rngs)
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits for every position.
+
+        Args:
+          tokens: int array ``(batch, seq)`` with ``seq <= max_seq_len``.
+          positions: optional int positions, ``(seq,)`` or ``(batch, seq)``; defaults to
+            ``arange(seq)``.
+        """
+        cfg = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be (batch, seq), got shape {tokens.shape}.")
+        if tokens.shape[1] > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len={cfg.max_seq_len}."
+            )
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1])
+        angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
+        forward = _block_forward_remat if cfg.remat else _block_forward
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = forward(block, x, angles)
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            return self.embed.attend(x)
+        return self.lm_head(x)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def next_token_loss(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy, ``−mean_t log softmax(logits_t)[tokens_{t+1}]``.
+
+    The model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; logits are upcast to
+    fp32 before the log-softmax.
+
+    Args:
+      model: a ``Llama``.
+      tokens: int ``(batch, seq + 1)``.
+      mask: optional ``(batch, seq)`` weights of the *targets* ``tokens[:, 1:]`` (e.g. 0 on
+        padding); the loss is then ``Σ mask·ce / Σ mask``.
+
+    Returns:
+      A scalar fp32 loss.
+    """
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if mask is None:
+        return jnp.mean(ce)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def count_params(config: LlamaConfig) -> int:
+    """Number of parameters, computed from the dimensions alone.
+
+    Per block: two RMSNorm scales ``2d``, attention ``d·Hh + 2·d·Kh + Hh·d`` (h = head_dim),
+    SwiGLU ``3·d·d_ff``; plus embedding ``V·d``, final norm ``d`` and, untied, head ``d·V``.
+    """
+    d, h = config.d_model, config.head_dim
+    attn = d * config.num_heads * h * 2 + d * config.kv_heads * h * 2
+    block = 2 * d + attn + 3 * d * config.d_ff
+    head = 0 if config.tie_embeddings else d * config.vocab_size
+    return config.vocab_size * d + config.num_layers * block + d + head
+
+
+def param_shapes(config: LlamaConfig, *, flat: bool = False) -> dict:
+    """The parameters as ``jax.ShapeDtypeStruct`` leaves, without allocating any array.
+
+    Uses ``nnx.eval_shape``, so it is cheap for any model size.
+
+    Args:
+      config: the model config.
+      flat: if False (default), a nested dict ``{'layers': {3: {'mlp': {'down_proj':
+        {'kernel': …}}}}, …}`` (``nnx.to_pure_dict`` of the ``nnx.Param`` state, the structure
+        of ``nnx.state(model, nnx.Param)`` without the Variable wrappers); if True, a flat dict
+        keyed by ``'/'``-joined paths such as ``'layers/3/mlp/down_proj/kernel'``.
+    """
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    if not flat:
+        return tree
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
