@@ -6,14 +6,19 @@ Public API (the quantized all-reduce, the foundation of the GIFT and PLUMAGE sta
   :func:`quantized_all_gather` — the same collectives as plain functions.
 * :func:`get_codec`, :data:`CODEC_NAMES`, :func:`roundtrip` — wire formats.
 * :func:`wire_bytes` — bytes per device of a compiled function's collectives, from its HLO.
+* :func:`gift` — GIFT: whiten selected layers' gradients with their input-side K-FAC factor
+  around any all-reduce stage (:mod:`gift_jax.whitening`, :mod:`gift_jax.capture` for the
+  statistics, :mod:`gift_jax.fidelity` for round-trip metrics).
 * :func:`plumage` / :func:`scale_by_plumage` — PLUMAGE low-rank gradients with Adam moment
   realignment (GaLore and FLORA as projector strategies), :mod:`gift_jax.lowrank`.
 * :mod:`gift_jax.models` — the Flax NNX Llama.
 """
 
+from gift_jax.capture import install_capture, remove_capture, with_input_stats
 from gift_jax.codecs import CODEC_NAMES, Codec, get_codec, roundtrip
 from gift_jax.collectives import (
     AllReduceSpec,
+    local_roundtrip,
     quantized_all_gather,
     quantized_psum,
     quantized_reduce_scatter,
@@ -21,10 +26,14 @@ from gift_jax.collectives import (
 from gift_jax.comm_stage import (
     AllReduceState,
     allreduce,
+    allreduce_axis,
     init_on_mesh,
     matrices_only,
     partition_specs,
 )
+from gift_jax.fidelity import fidelity_report
+from gift_jax.gift import GiftDimensionNumbers, GiftState, gift, select_layers
+from gift_jax.gift import refresh_due as gift_refresh_due
 from gift_jax.lowrank import (
     AdaptiveRefresh,
     LowRankDimensionNumbers,
@@ -36,10 +45,10 @@ from gift_jax.lowrank import (
     mask_excluding,
     plumage,
     plumage_projector,
-    refresh_due,
     scale_by_plumage,
     systematic_sample,
 )
+from gift_jax.lowrank import refresh_due as plumage_refresh_due
 from gift_jax.wire import WireReport, parse_hlo, wire_bytes
 
 __version__ = "0.1.0"
@@ -50,15 +59,23 @@ __all__ = [
     "AllReduceState",
     "CODEC_NAMES",
     "Codec",
+    "GiftDimensionNumbers",
+    "GiftState",
     "LowRankDimensionNumbers",
     "PlumageState",
     "WireReport",
     "allreduce",
+    "allreduce_axis",
     "expected_squared_error",
+    "fidelity_report",
     "find_plumage_state",
     "get_codec",
+    "gift",
+    "gift_refresh_due",
     "inclusion_probabilities",
     "init_on_mesh",
+    "install_capture",
+    "local_roundtrip",
     "lowrank_estimate",
     "mask_excluding",
     "matrices_only",
@@ -66,12 +83,15 @@ __all__ = [
     "partition_specs",
     "plumage",
     "plumage_projector",
+    "plumage_refresh_due",
     "quantized_all_gather",
     "quantized_psum",
     "quantized_reduce_scatter",
-    "refresh_due",
+    "remove_capture",
     "roundtrip",
     "scale_by_plumage",
+    "select_layers",
     "systematic_sample",
     "wire_bytes",
+    "with_input_stats",
 ]

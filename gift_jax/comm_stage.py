@@ -26,7 +26,13 @@ import optax
 from jax.sharding import PartitionSpec
 
 from gift_jax.codecs import Codec
-from gift_jax.collectives import AllReduceSpec, AxisName, all_reduce_tree, init_residuals
+from gift_jax.collectives import (
+    AllReduceSpec,
+    AxisName,
+    all_reduce_tree,
+    init_residuals,
+    resolve_codecs,
+)
 from gift_jax.layout import DEFAULT_BUCKET_ELEMS
 
 
@@ -95,6 +101,7 @@ def allreduce(
         raise TypeError(f"seed={seed!r} must be an int")
 
     def init_fn(params):
+        resolve_codecs(params, codec, block_size, policy)  # float leaves, policy structure
         key = jax.random.PRNGKey(seed) if stochastic_rounding else None
         residuals = None
         if error_feedback and axis_name is not None:
@@ -109,7 +116,21 @@ def allreduce(
         reduced, residuals = all_reduce_tree(updates, spec, key=sub, residuals=state.residuals)
         return reduced, AllReduceState(key, residuals)
 
+    # lets stages that wrap this one (GIFT) find the data-parallel axis
+    update_fn.allreduce_spec = spec
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
+    """The axis (or tuple of axes, hierarchical included) an :func:`allreduce` stage reduces
+    over, or ``None`` for any other transformation."""
+    spec = getattr(stage.update, "allreduce_spec", None)
+    if spec is None or spec.axis_name is None:
+        return None
+    if spec.intra_axis is None:
+        return spec.axis_name
+    as_tuple = lambda a: a if isinstance(a, tuple) else (a,)
+    return as_tuple(spec.axis_name) + as_tuple(spec.intra_axis)
 
 
 def matrices_only(codec: str = "fp8_e4m3", other: str = "fp32"):

@@ -175,6 +175,15 @@ def test_build_time_validation(kwargs, exc, match):
         gj.allreduce("data", **kwargs)
 
 
+def test_init_rejects_bad_leaves_and_policies():
+    with pytest.raises(TypeError, match=r"\['step'\] has dtype int32"):
+        gj.allreduce("data").init({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)})
+    with pytest.raises(ValueError):  # a policy pytree that doesn't match the gradients
+        gj.allreduce("data", policy={"w": "fp32"}).init({"w": jnp.ones(3), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match="codec='fp9'"):
+        gj.allreduce("data", policy=lambda path, leaf: "fp9").init({"w": jnp.ones(3)})
+
+
 def test_single_device_identity():
     tx = optax.chain(gj.allreduce(None, codec="fp8_e4m3"), optax.sgd(1.0))
     params = {"w": jnp.ones((3, 2))}

@@ -64,6 +64,8 @@ def test_hlo_wire_ratio_matches_ideal_within_2_percent(codec, block):
     ours = _compiled_wire(codec, block)
     moved = [op for op in ours.ops if op.kind in ("all-to-all", "all-gather")]
     assert moved and all(set(op.dtypes) == {"u8"} for op in moved)  # pinned wire format
+    # nine leaves, one bucket: one all-to-all and one all-gather, not one per leaf
+    assert sorted(op.kind for op in moved) == ["all-gather", "all-to-all"]
     assert not [op for op in ours.ops if op.kind == "all-reduce"]  # no fp32 all-reduce left
     ratio = ours.total / fp32.total
     ideal = gj.get_codec(codec, block).ideal_ratio

@@ -1,0 +1,473 @@
+"""The GIFT stage (arXiv 2607.07494): whiten → any all-reduce stage → unwhiten.
+
+``gift(inner, ...)`` wraps an all-reduce stage ``inner`` (an optax transformation whose update
+reduces a pytree across data-parallel replicas inside ``jax.shard_map``) so that the gradients of
+the selected linear layers are communicated in near-isotropic coordinates::
+
+    G ──► W·G ──► inner (e.g. FP8 all-reduce) ──► W⁻¹·(Σ W·G) = Σ G   (exact in exact arithmetic)
+
+W is a whitener of the input-side K-FAC factor A = E[x xᵀ] (see :mod:`gift_jax.whitening`);
+every stage before the collective is linear, so "whiten locally, reduce, unwhiten" equals
+reducing, and only the rounding error of ``inner`` changes frame.  Leaves that are not selected
+pass through ``inner`` untouched (the Euclidean frame).
+
+Layer selection.  Param paths are the '/'-joined keys of the pytree (``jax.tree_util.keystr``
+with ``simple=True``), with a trailing ``/value`` (the pytree key of a Flax NNX ``Variable``)
+dropped, e.g. ``layers/3/mlp/down_proj/kernel``.  A pattern selects a leaf when
+``fnmatch.fnmatchcase(path, pattern)`` or ``fnmatchcase(path, pattern + "/kernel")`` holds: a
+pattern names either the module (then its ``kernel`` is selected, never its bias) or the leaf
+itself.  ``*`` also matches ``/``.  A pattern that selects nothing is a ``ValueError``.
+
+Dimension numbers.  A selected 2-D leaf is (in × out).  Other leaves need
+:class:`GiftDimensionNumbers` (``dimension_numbers={pattern: dims}``; same matching rule):
+attention kernels (embed, heads, head_dim) use ``input_axis=0, output_axis=(1, 2)``; an
+output projection (heads, head_dim, embed) uses ``input_axis=(0, 1), output_axis=2``; layers
+stacked by ``nnx.scan`` (L, in, out) use ``input_axis=1, output_axis=2``.  Axes named in
+neither are batch axes, each with its own factor (the convention of optax.contrib.muon).
+
+Refresh semantics.  The stage refreshes exactly on the calls that pass statistics,
+``update(g, state, params, gift_stats=stats)``: a static fact at trace time, so the trainer
+compiles a refresh variant and an ordinary variant, and the ordinary one does no statistics work
+(no ``lax.cond``, no counter that could drift under ``optax.MultiSteps``).  ``stats`` maps each
+selected leaf path to its *local* (per-device) mean second moment, shape ``batch + (n, n)``
+(what :func:`gift_jax.capture.with_input_stats` returns); the stage averages it over
+``axis_name`` (``None`` = single device), folds it into an EMA (the first refresh takes it as
+is), and rebuilds the factors, which are therefore identical on every replica; this step is
+already whitened with the new factors.  Robustness: a layer whose reduced statistic is
+non-finite keeps its previous EMA and gets the identity factor until the next refresh; a factor
+that comes out non-finite is rebuilt with 100× damping, then replaced by the identity
+(:func:`gift_jax.whitening.make_factor`); both are counted in the state.  ``refresh_every`` is
+the host's schedule (:func:`refresh_due`); the state counts steps since the last refresh.
+Before the first refresh the factor is the identity, i.e. the stage is a pass-through to
+``inner``.
+
+Projected factor (PLUMAGE composition).  When a PLUMAGE stage before GIFT sends
+R = Mᵀ·G (k × out, M = P·D⁻¹ of shape n × k) instead of G, the effective layer input is Mᵀx and
+the factor to whiten R with is MᵀAM.  Build with ``projected_dim=k`` and pass
+``gift_projection={path: M}`` (shape ``batch + (n, k)``, identical on every replica) together
+with ``gift_stats`` on each refresh; the EMA keeps A (n×n) in the layer's own coordinates and the
+projection is applied when the factor is built, so refresh GIFT whenever the projection changes.
+
+Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals);
+a refresh changes W, so the residual carried across a refresh is in the previous frame (not
+corrected here; its effect has not been measured).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gift_jax import whitening as wh
+from gift_jax.comm_stage import allreduce_axis
+
+__all__ = [
+    "GiftDimensionNumbers",
+    "GiftState",
+    "gift",
+    "leaf_path",
+    "refresh_due",
+    "select_layers",
+]
+
+
+class GiftDimensionNumbers(NamedTuple):
+    """Which axes of a kernel are its input side (whitened) and its output side.
+
+    Axes in neither are batch axes (e.g. the layer axis of ``nnx.scan``-stacked layers): each
+    index along them has its own statistics and factor.
+    """
+
+    input_axis: Sequence[int] | int = 0
+    output_axis: Sequence[int] | int = 1
+
+
+class GiftState(NamedTuple):
+    """State of :func:`gift`.  B = product of a leaf's batch axes (1 for a plain 2-D kernel)."""
+
+    count: jax.Array  # () int32: steps since the last refresh (0 on a refresh step)
+    refreshes: jax.Array  # () int32: refreshes so far (0: factors are the identity)
+    damped_fallbacks: jax.Array  # () int32: factors rebuilt with larger damping, cumulative
+    identity_fallbacks: jax.Array  # () int32: factors replaced by the identity, cumulative
+    stats: dict[str, jax.Array]  # path -> (B, n, n) f32: EMA of A = E[x xᵀ] (reduced)
+    out_stats: dict[str, jax.Array]  # path -> (B, m, m) f32: EMA of E[δ δᵀ] (two_sided only)
+    basis: dict[str, jax.Array]  # path -> (B, n, r) f32: top eigvecs (eig_method="subspace")
+    factors: dict[str, Any]  # path -> factor pytree, every leaf with a leading (B,) axis
+    inner_state: Any  # state of the wrapped all-reduce stage
+
+
+def refresh_due(step: int, refresh_every: int) -> bool:
+    """Host-side schedule: refresh (pass ``gift_stats``) on steps 0, K, 2K, ..."""
+    return step % refresh_every == 0
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """'/'-joined pytree path with a trailing Flax ``Variable`` 'value' key dropped."""
+    s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+    return s[: -len("/value")] if s.endswith("/value") else s
+
+
+def _matches(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + "/kernel")
+
+
+def _as_tuple(ax: Sequence[int] | int) -> tuple[int, ...]:
+    return (ax,) if isinstance(ax, int) else tuple(ax)
+
+
+class _Layout(NamedTuple):
+    """Static layout of a selected leaf: (batch, in, out) axes and sizes."""
+
+    batch_axes: tuple[int, ...]
+    in_axes: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    batch_shape: tuple[int, ...]
+    n: int
+    m: int
+
+
+def _layout(path: str, shape: tuple[int, ...], dims: GiftDimensionNumbers | None) -> _Layout:
+    ndim = len(shape)
+    if dims is None:
+        if ndim != 2:
+            raise ValueError(
+                f"gift: selected leaf {path!r} has shape {shape}; a leaf that is not a 2-D "
+                "(in × out) kernel needs an entry in dimension_numbers"
+            )
+        dims = GiftDimensionNumbers()
+    try:
+        ins = tuple(a % ndim for a in _as_tuple(dims.input_axis))
+        outs = tuple(a % ndim for a in _as_tuple(dims.output_axis))
+    except ZeroDivisionError:
+        ins, outs = (), ()
+    if not ins or not outs or set(ins) & set(outs) or any(
+        not -ndim <= a < ndim for a in _as_tuple(dims.input_axis) + _as_tuple(dims.output_axis)
+    ):
+        raise ValueError(
+            f"gift: dimension_numbers {dims} do not fit leaf {path!r} of shape {shape} "
+            "(input and output axes must be non-empty, disjoint and in range)"
+        )
+    batch = tuple(a for a in range(ndim) if a not in ins and a not in outs)
+    return _Layout(
+        batch, ins, outs, tuple(shape[a] for a in batch),
+        math.prod(shape[a] for a in ins), math.prod(shape[a] for a in outs),
+    )
+
+
+def _to_matrix(x: jax.Array, lay: _Layout) -> jax.Array:
+    """(…) → (B, n, m) with n the input axes, m the output axes."""
+    perm = lay.batch_axes + lay.in_axes + lay.out_axes
+    n = math.prod(x.shape[a] for a in lay.in_axes)
+    return x.transpose(perm).reshape(math.prod(lay.batch_shape), n, -1)
+
+
+def _from_matrix(y: jax.Array, lay: _Layout, shape: tuple[int, ...]) -> jax.Array:
+    perm = lay.batch_axes + lay.in_axes + lay.out_axes
+    inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
+    return y.reshape(tuple(shape[a] for a in perm)).transpose(inv)
+
+
+def select_layers(
+    tree: Any,
+    layers: Sequence[str],
+    dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
+) -> dict[str, _Layout]:
+    """Map each selected leaf path of ``tree`` to its static layout; validates the patterns."""
+    dimension_numbers = dict(dimension_numbers or {})
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [(leaf_path(p), x) for p, x in flat]
+    hits = {pat: 0 for pat in layers}
+    dim_hits = {pat: 0 for pat in dimension_numbers}
+    out: dict[str, _Layout] = {}
+    for path, x in paths:
+        chosen = [pat for pat in layers if _matches(path, pat)]
+        if not chosen:
+            continue
+        for pat in chosen:
+            hits[pat] += 1
+        dims_for = [pat for pat in dimension_numbers if _matches(path, pat)]
+        for pat in dims_for:
+            dim_hits[pat] += 1
+        dims = dimension_numbers[dims_for[0]] if dims_for else None
+        out[path] = _layout(path, tuple(jnp.shape(x)), dims)
+    missing = [pat for pat, c in hits.items() if c == 0]
+    if missing:
+        sample = ", ".join(p for p, _ in paths[:8])
+        raise ValueError(
+            f"gift: layers pattern(s) {missing} match no parameter path (paths look like: "
+            f"{sample}{', ...' if len(paths) > 8 else ''})"
+        )
+    unused = [pat for pat, c in dim_hits.items() if c == 0]
+    if unused:
+        raise ValueError(f"gift: dimension_numbers pattern(s) {unused} match no selected layer")
+    return out
+
+
+def gift(
+    inner: optax.GradientTransformation,
+    layers: Sequence[str] = ("*/mlp/down_proj",),
+    rank: int = 32,
+    refresh_every: int = 50,
+    factor: str = "lowrank_isotropic",
+    damping: float = 1e-3,
+    ema: float = 0.95,
+    *,
+    damping_mode: str = "relative",
+    axis_name: str | tuple[str, ...] | None = None,
+    sqrt: str = "cholesky",
+    block_size: int = 128,
+    eig_method: str = "eigh",
+    eig_iters: int = 2,
+    eig_oversample: int = 8,
+    dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
+    two_sided: bool = False,
+    projected_dim: int | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """GIFT: whiten the selected layers' gradients, run ``inner``, unwhiten.
+
+    Args:
+      inner: the all-reduce stage (any optax transformation; extra args are forwarded to it).
+      layers: path patterns of the layers to whiten (see module docstring).
+      rank: r of the low-rank factors (``rank >= n`` gives the exact dense factor).
+      refresh_every: K, the host's refresh period (:func:`refresh_due`); artifact: 50.
+      factor: one of :data:`gift_jax.whitening.FACTOR_KINDS`.
+      damping: ε, relative to tr(A)/n (``damping_mode="relative"``) or absolute.
+      ema: EMA decay of the statistics across refreshes (artifact: 0.95); 0 = latest only.
+      axis_name: data-parallel axis (or tuple) to average statistics over; ``None`` takes the
+        axis of ``inner`` when it is a :func:`gift_jax.allreduce` stage, else one device.
+      sqrt: ``"cholesky"`` (W = L⁻¹, the artifact) or ``"symmetric"`` (A^{-1/2}) for the
+        dense and block forms.
+      block_size: block of ``factor="block_diag"`` (last block may be ragged).
+      eig_method: ``"eigh"`` (exact) or ``"subspace"`` (randomized subspace iteration warm-
+        started from the previous eigenvectors; ``eig_iters``, ``eig_oversample``).
+      dimension_numbers: ``{pattern: GiftDimensionNumbers}`` for non-2-D selected leaves.
+      two_sided: also whiten the output side with E[δδᵀ] (K-FAC ablation); refreshes then
+        need ``gift_output_stats={path: batch + (m, m)}`` too.
+      projected_dim: k when a PLUMAGE stage before GIFT sends (k × out) projected gradients;
+        refreshes then need ``gift_projection={path: batch + (n, k)}``.
+      seed: seed of the (replica-identical) randomized eigensolver.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`.
+    """
+    if not hasattr(inner, "init") or not hasattr(inner, "update"):
+        raise TypeError(f"gift: inner must be an optax GradientTransformation, got {inner!r}")
+    if axis_name is None:  # average statistics over the axis the inner all-reduce uses
+        axis_name = allreduce_axis(inner)
+    if isinstance(layers, str):
+        layers = (layers,)
+    layers = tuple(layers)
+    if not layers:
+        raise ValueError("gift: layers must name at least one pattern")
+    if factor not in wh.FACTOR_KINDS:
+        raise ValueError(f"gift: factor must be one of {wh.FACTOR_KINDS}, got {factor!r}")
+    if not (isinstance(rank, int) and rank >= 1):
+        raise ValueError(f"gift: rank must be an int >= 1, got {rank!r}")
+    if not (isinstance(refresh_every, int) and refresh_every >= 1):
+        raise ValueError(f"gift: refresh_every must be an int >= 1, got {refresh_every!r}")
+    if not damping > 0:
+        raise ValueError(f"gift: damping must be > 0, got {damping!r}")
+    if damping_mode not in ("relative", "absolute"):
+        raise ValueError(
+            f"gift: damping_mode must be 'relative' or 'absolute', got {damping_mode!r}"
+        )
+    if not 0.0 <= ema < 1.0:
+        raise ValueError(f"gift: ema must be in [0, 1), got {ema!r}")
+    if sqrt not in ("cholesky", "symmetric"):
+        raise ValueError(f"gift: sqrt must be 'cholesky' or 'symmetric', got {sqrt!r}")
+    if not (isinstance(block_size, int) and block_size >= 1):
+        raise ValueError(f"gift: block_size must be an int >= 1, got {block_size!r}")
+    if eig_method not in ("eigh", "subspace"):
+        raise ValueError(f"gift: eig_method must be 'eigh' or 'subspace', got {eig_method!r}")
+    if eig_iters < 0 or eig_oversample < 0:
+        raise ValueError("gift: eig_iters and eig_oversample must be >= 0")
+    if projected_dim is not None and not (isinstance(projected_dim, int) and projected_dim >= 1):
+        raise ValueError(f"gift: projected_dim must be None or an int >= 1, got {projected_dim!r}")
+    if projected_dim is not None and two_sided:
+        raise ValueError("gift: projected_dim and two_sided cannot be combined")
+    inner = optax.with_extra_args_support(inner)
+    use_basis = eig_method == "subspace" and factor.startswith("lowrank")
+
+    def width(lay: _Layout) -> int:
+        return projected_dim if projected_dim is not None else lay.n
+
+    def ident(lay: _Layout) -> Any:
+        b = math.prod(lay.batch_shape)
+        left = wh.identity_factor(factor, width(lay), rank, block_size)
+        if two_sided:
+            left = wh.KroneckerFactor(left, wh.identity_factor(factor, lay.m, rank, block_size))
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), left)
+
+    def init_fn(params):
+        sel = select_layers(params, layers, dimension_numbers)
+        stats, out_stats, basis, factors = {}, {}, {}, {}
+        for path, lay in sel.items():
+            b, n = math.prod(lay.batch_shape), width(lay)
+            stats[path] = jnp.zeros((b, lay.n, lay.n), jnp.float32)
+            if two_sided:
+                out_stats[path] = jnp.zeros((b, lay.m, lay.m), jnp.float32)
+            if use_basis and rank < n:
+                basis[path] = jnp.zeros((b, n, min(rank, n)), jnp.float32)
+            factors[path] = ident(lay)
+        z = jnp.zeros((), jnp.int32)
+        return GiftState(
+            count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
+            out_stats=out_stats, basis=basis, factors=factors, inner_state=inner.init(params),
+        )
+
+    def check_stats(name, given, sel, side):
+        if not isinstance(given, Mapping):
+            raise ValueError(f"gift: {name} must be a mapping {{param path: array}}")
+        given = {k: v for k, v in given.items()}
+        if set(given) != set(sel):
+            raise ValueError(
+                f"gift: {name} keys {sorted(given)} do not match the selected layers "
+                f"{sorted(sel)}"
+            )
+        for path, lay in sel.items():
+            d = {"in": lay.n, "out": lay.m}[side] if side != "proj" else None
+            want = lay.batch_shape + ((d, d) if side != "proj" else (lay.n, projected_dim))
+            if tuple(jnp.shape(given[path])) != want:
+                raise ValueError(
+                    f"gift: {name}[{path!r}] has shape {jnp.shape(given[path])}, expected {want}"
+                )
+        return given
+
+    def reduce_ema(given, old):
+        """pmean over replicas, then EMA per layer (B, n, n) → (new stats, finite mask (B,)).
+
+        A layer whose reduced statistic is non-finite keeps its old statistic (the EMA is never
+        poisoned); a layer with no statistic yet (zero trace) takes the new one as is."""
+        new, finite = {}, {}
+        for path, a in given.items():
+            a = jnp.asarray(a, jnp.float32).reshape(old[path].shape)
+            if axis_name is not None:
+                a = jax.lax.pmean(a, axis_name)
+            ok = jnp.all(jnp.isfinite(a), axis=(-2, -1))
+            fresh = jnp.trace(old[path], axis1=-2, axis2=-1) == 0
+            upd = jnp.where(fresh[:, None, None], a, ema * old[path] + (1.0 - ema) * a)
+            new[path] = jnp.where(ok[:, None, None], upd, old[path])
+            finite[path] = ok
+        return new, finite
+
+    def build(a, b_stats, proj, basis, key):
+        """One layer (no batch axis) → (factor, status, new basis or None)."""
+        kw = dict(
+            rank=rank, damping=damping, damping_mode=damping_mode, block_size=block_size,
+            sqrt=sqrt, eig_method=eig_method, oversample=eig_oversample, iters=eig_iters,
+        )
+        if proj is not None:
+            a = jnp.matmul(proj.T, jnp.matmul(a, proj, precision="highest"), precision="highest")
+        pairs = None
+        if basis is not None:  # randomized eigensolver, warm-started from the last basis
+            pairs = wh.top_eigenpairs(
+                jnp.where(jnp.isfinite(a), a, 0.0), rank, "subspace", key=key, init=basis,
+                oversample=eig_oversample, iters=eig_iters,
+            )
+        f, status = wh.make_factor(a, factor, key=key, eigenpairs=pairs, **kw)
+        if b_stats is not None:
+            k2 = None if key is None else jax.random.fold_in(key, 1)
+            g, s2 = wh.make_factor(b_stats, factor, key=k2, **kw)
+            f, status = wh.KroneckerFactor(f, g), jnp.maximum(status, s2)
+        return f, status, None if pairs is None else pairs[0]
+
+    def refresh(state, sel, gift_stats, gift_output_stats, gift_projection):
+        stats, finite = reduce_ema(check_stats("gift_stats", gift_stats, sel, "in"), state.stats)
+        out_stats = state.out_stats
+        if two_sided:
+            if gift_output_stats is None:
+                raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
+            out_stats, out_finite = reduce_ema(
+                check_stats("gift_output_stats", gift_output_stats, sel, "out"), state.out_stats
+            )
+            finite = {p: finite[p] & out_finite[p] for p in finite}
+        elif gift_output_stats is not None:
+            raise ValueError("gift: gift_output_stats given but two_sided=False")
+        projs = None
+        if projected_dim is not None:
+            if gift_projection is None:
+                raise ValueError("gift: projected_dim is set; pass gift_projection on refreshes")
+            projs = check_stats("gift_projection", gift_projection, sel, "proj")
+        elif gift_projection is not None:
+            raise ValueError("gift: gift_projection given but projected_dim=None")
+        key = jax.random.fold_in(jax.random.key(seed), state.refreshes)
+        factors, basis, n_damped, n_ident = {}, {}, state.damped_fallbacks, state.identity_fallbacks
+        for path, lay in sel.items():
+            b = math.prod(lay.batch_shape)
+            keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), b)
+            p = None if projs is None else jnp.asarray(projs[path], jnp.float32).reshape(
+                b, lay.n, projected_dim)
+            bas = state.basis.get(path)
+            if bas is not None:  # first refresh: no previous basis → random start
+                bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
+            f, status, nb = jax.vmap(build, in_axes=(0, 0, 0, 0, 0))(
+                stats[path], out_stats.get(path) if two_sided else None, p, bas,
+                keys if eig_method == "subspace" else None,
+            )
+            # non-finite statistics this refresh → identity (Euclidean) for that layer
+            f = jax.tree.map(
+                lambda x, i, ok=finite[path]: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)),
+                                                        x, i), f, ident(lay))
+            status = jnp.where(finite[path], status, 2)
+            factors[path] = f
+            if nb is not None:
+                basis[path] = nb
+            n_damped = n_damped + jnp.sum(status == 1).astype(jnp.int32)
+            n_ident = n_ident + jnp.sum(status == 2).astype(jnp.int32)
+        return state._replace(
+            count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
+            damped_fallbacks=n_damped, identity_fallbacks=n_ident, stats=stats,
+            out_stats=out_stats, basis=basis, factors=factors,
+        )
+
+    def transform(updates, sel, factors, fn):
+        flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        out = []
+        for p, x in flat:
+            path = leaf_path(p)
+            if path in sel:
+                lay = sel[path]
+                y = jax.vmap(fn)(factors[path], _to_matrix(x, lay))
+                x = _from_matrix(y, lay, x.shape).astype(x.dtype)
+            out.append(x)
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def update_fn(
+        updates, state, params=None, *, gift_stats=None, gift_output_stats=None,
+        gift_projection=None, **extra_args,
+    ):
+        sel = select_layers(updates, layers, dimension_numbers)
+        if projected_dim is not None:
+            for path, lay in sel.items():
+                if lay.n != projected_dim:
+                    raise ValueError(
+                        f"gift: update of {path!r} has input width {lay.n}, expected "
+                        f"projected_dim={projected_dim}"
+                    )
+        if gift_stats is not None:
+            if projected_dim is not None:  # stats/projections are in the params' coordinates
+                sel_stats = select_layers(params, layers, dimension_numbers) if params is not None \
+                    else None
+                if sel_stats is None:
+                    raise ValueError("gift: projected_dim needs params on refresh steps")
+            else:
+                sel_stats = sel
+            state = refresh(state, sel_stats, gift_stats, gift_output_stats, gift_projection)
+        elif gift_output_stats is not None or gift_projection is not None:
+            raise ValueError("gift: gift_output_stats/gift_projection need gift_stats")
+        else:
+            state = state._replace(count=state.count + 1)
+        whitened = transform(updates, sel, state.factors, wh.whiten)
+        reduced, inner_state = inner.update(whitened, state.inner_state, params, **extra_args)
+        out = transform(reduced, sel, state.factors, wh.unwhiten)
+        return out, state._replace(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
