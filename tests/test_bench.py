@@ -1,0 +1,18 @@
+"""Smoke test of the communication benchmark's library functions (scripts/bench_comm.py)."""
+
+import jax
+
+from gift_jax.bench import quantize_throughput, wire_table
+from gift_jax.models import LlamaConfig, param_shapes
+
+
+def test_wire_table_and_throughput_smoke():
+    cfg = LlamaConfig(vocab_size=256, d_model=64, num_layers=1, num_heads=2, d_ff=128,
+                      max_seq_len=16)
+    mesh = jax.make_mesh((8,), ("data",))
+    rows = wire_table(param_shapes(cfg), mesh, codecs=(("fp32", None), ("fp8_e4m3", None)))
+    assert rows[0]["ratio_to_fp32"] == 1.0
+    fp8 = rows[1]
+    assert fp8["ideal_ratio"] == 0.25 and 0.25 <= fp8["ratio_to_fp32"] <= 0.255 * 1.02
+    tp = quantize_throughput(1 << 14, repeats=1)
+    assert tp["cast_s"] > 0 and tp["per_block_over_cast"] > 0 and tp["platform"] == "cpu"
