@@ -26,8 +26,11 @@ Scaling maps the absolute maximum ``amax`` of the scaled group onto the format m
 ``s = amax / fmax`` and ``q = sat(x · (1/s))``, decoded as ``q · s``. Casts saturate: an fp32 value
 beyond ``fmax`` becomes ``±fmax`` (``float8_e4m3fn`` has no infinity, and XLA's plain convert
 would turn an overflow into NaN). A zero group gets ``s = 1`` and encodes exact zeros. A
-non-finite ``amax`` (NaN or Inf somewhere in the group) gives a NaN scale, so the *whole group*
-decodes as NaN on every replica: garbage never passes silently as finite numbers.
+non-finite ``amax`` gives a NaN scale, so the whole group decodes as NaN on every replica:
+garbage never passes silently as finite numbers. Per-tensor scales detect NaN/Inf with an
+explicit check (:func:`abs_max`); per-block scales use a plain ``max`` on the hot path, so an
+Inf poisons its block and a NaN poisons at least its own element (a fused ``max`` may drop a
+NaN, but the element itself encodes to the format's NaN code).
 
 MXFP8 (OCP Microscaling formats v1.0: e4m3 elements, one E8M0 power-of-two scale per 32): the
 shared exponent is ``ceil(log2(amax / 448))``, stored as a biased byte. The spec's suggested
@@ -258,7 +261,11 @@ def row_scales(x: jax.Array, leaf_scale: jax.Array | None, codec: Codec):
     if codec.row_scale_dtype is None:
         divisor = leaf_scale if leaf_scale is not None else jnp.ones((x.shape[0], 1), jnp.float32)
         return None, divisor
-    amax = abs_max(x, axis=1, keepdims=True)
+    # A plain max: no separate non-finite pass on the hot path. An Inf makes the row's scale
+    # NaN (whole row NaN); a NaN either does the same or, where a fused max drops it, stays a
+    # NaN code in place (fp8 formats have NaN codes): never finite garbage. NVFP4 (no NaN
+    # code) is covered by its per-tensor scale, computed with the explicit check.
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
     if codec.name == "mxfp8":
         byte = _mx_exponent_byte(amax)
         return byte, _mx_scale(byte)

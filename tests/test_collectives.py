@@ -120,6 +120,10 @@ def test_block_scaled_nan_stays_in_its_block(mesh):
     grads["w"] = grads["w"].at[2, 100].set(jnp.nan)
     f, g = per_device(mesh, lambda t: gj.quantized_psum(t, "data", codec="mxfp8"), grads)
     out = np.asarray(f(g)["w"])
+    assert np.isnan(out[:, 100]).all()  # on every replica
+    assert np.isfinite(np.delete(out, np.s_[96:128], axis=1)).all()  # other blocks intact
+    grads["w"] = grads["w"].at[2, 100].set(jnp.inf)  # an Inf poisons its whole block
+    out = np.asarray(f(jax.device_put(grads, g["w"].sharding))["w"])
     assert np.isnan(out[:, 96:128]).all()
     assert np.isfinite(np.delete(out, np.s_[96:128], axis=1)).all()
 
