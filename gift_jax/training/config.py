@@ -1,0 +1,262 @@
+"""Run configuration for the trainer: defaults, command-line overrides, validation, comparison.
+
+A run is ``configs/base.py`` + a model/experiment config + overrides. The trainer needs a few
+settings that older config files may lack; :func:`complete_config` fills them in from
+:data:`TRAINER_DEFAULTS` (so ``--config.train.grad_accum_steps=4`` works on any config file).
+
+Every check raises :class:`ConfigError` (a ``ValueError``) with one line naming the setting
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import ml_collections
+
+from gift_jax.codecs import CODEC_NAMES
+
+COMM_MODES = ("fp32", "bf16", "fp8", "plumage", "gift_fp8")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "linear", "constant")
+SCALINGS = ("tensor", "block")
+LOW_PRECISION_CODECS = ("fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+PROJECTORS = ("plumage", "galore", "flora")
+GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
+MUON_SCALE_MODES = ("spectral", "shape")
+
+#: Settings the trainer adds when a config file does not define them.
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mesh": {
+        "intra_size": 1,  # >1: hierarchical all-reduce; mesh ('data', 'intra') of this size
+    },
+    "comm": {
+        "intra_codec": "fp32",  # codec of the intra-node reduce-scatter (hierarchical only)
+    },
+    "train": {
+        "grad_accum_steps": 1,  # microbatches per optimizer step (one all-reduce per step)
+        "diagnostics_every": 100,  # steps between wire-bytes/fidelity logs; 0 disables
+        "keep_checkpoints": 3,  # most recent checkpoints kept on disk
+    },
+}
+
+#: Fields that may differ between a checkpoint and the run resuming it (cadence and output).
+RUN_CONTROL_FIELDS = frozenset({
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.diagnostics_every",
+    "train.workdir",
+})
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message is one line naming it and what is allowed."""
+
+
+def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with every missing :data:`TRAINER_DEFAULTS` field added."""
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        for group, fields in TRAINER_DEFAULTS.items():
+            if group not in config:
+                config[group] = ml_collections.ConfigDict()
+            for name, value in fields.items():
+                if name not in config[group]:
+                    config[group][name] = value
+    return config
+
+
+# ---- command-line overrides -----------------------------------------------------------------
+
+
+def _parse_value(text: str, current: Any, name: str) -> Any:
+    """``text`` converted to the type of the field's current value."""
+    if isinstance(current, bool):
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--config.{name}={text!r}: expected a bool (true/false)")
+    if isinstance(current, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if current is None:
+            return text
+        raise ConfigError(
+            f"--config.{name}={text!r}: expected a {type(current).__name__}"
+        ) from None
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(current, tuple | list) and isinstance(value, str):
+        value = (value,)
+    if isinstance(current, tuple) and isinstance(value, list):
+        value = tuple(value)
+    if current is not None and not isinstance(value, type(current)):
+        raise ConfigError(
+            f"--config.{name}={text!r}: expected a {type(current).__name__}, "
+            f"got a {type(value).__name__}"
+        )
+    return value
+
+
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: Iterable[tuple[str, str]]
+) -> ml_collections.ConfigDict:
+    """Applies ``(dotted.name, text)`` overrides to a copy of ``config``.
+
+    Values are parsed to the type of the existing field (bools accept true/false, tuples a
+    Python literal or a single string). An unknown field raises :class:`ConfigError`.
+    """
+    config = copy.deepcopy(config)
+    for name, text in overrides:
+        *groups, leaf = name.split(".")
+        node = config
+        for i, group in enumerate(groups):
+            if not isinstance(node, ml_collections.ConfigDict) or group not in node:
+                known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else ""
+                raise ConfigError(
+                    f"unknown config field {'.'.join(groups[: i + 1])!r} (in --config.{name}); "
+                    f"known: {known}"
+                )
+            node = node[group]
+        if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+            known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else ""
+            raise ConfigError(f"unknown config field {name!r}; known in this group: {known}")
+        value = _parse_value(text, node[leaf], name)
+        with node.ignore_type():
+            node[leaf] = value
+    return config
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+
+def _choice(config, name: str, allowed: Iterable[str]) -> None:
+    value = _get(config, name)
+    if value not in tuple(allowed):
+        raise ConfigError(f"{name}={value!r} is not supported; allowed: {', '.join(allowed)}")
+
+
+def _positive_int(config, name: str, minimum: int = 1) -> None:
+    value = _get(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def _get(config, name: str) -> Any:
+    node = config
+    for part in name.split("."):
+        node = node[part]
+    return node
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Checks every trainer setting against ``num_devices`` data-parallel devices.
+
+    Raises:
+      ConfigError: with one line naming the setting and what is allowed.
+    """
+    _choice(config, "comm.mode", COMM_MODES)
+    _choice(config, "optimizer.name", OPTIMIZERS)
+    _choice(config, "optimizer.schedule", SCHEDULES)
+    _choice(config, "optimizer.muon_scale_mode", MUON_SCALE_MODES)
+    _choice(config, "comm.scaling", SCALINGS)
+    _choice(config, "comm.intra_codec", CODEC_NAMES)
+    mode = config.comm.mode
+    if mode in ("fp8", "gift_fp8"):
+        _choice(config, "comm.codec", LOW_PRECISION_CODECS)
+    if mode == "plumage":
+        _choice(config, "comm.codec", CODEC_NAMES)
+        _choice(config, "plumage.projector", PROJECTORS)
+        _positive_int(config, "plumage.rank")
+        _positive_int(config, "plumage.refresh_every")
+        if config.optimizer.name != "adamw":
+            raise ConfigError(
+                f"optimizer.name={config.optimizer.name!r} cannot be combined with "
+                "comm.mode='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"
+            )
+    if mode == "gift_fp8":
+        _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
+        _positive_int(config, "gift.rank")
+        _positive_int(config, "gift.refresh_every")
+    if config.comm.scaling == "block" and config.comm.codec in ("fp8_e4m3", "fp8_e5m2"):
+        _positive_int(config, "comm.block_size")
+    for name in ("train.global_batch_size", "train.seq_len", "train.num_steps",
+                 "train.grad_accum_steps", "train.log_every", "mesh.intra_size"):
+        _positive_int(config, name)
+    for name in ("train.eval_every", "train.eval_batches", "train.checkpoint_every",
+                 "train.diagnostics_every", "optimizer.warmup_steps"):
+        _positive_int(config, name, minimum=0)
+    _positive_int(config, "train.keep_checkpoints")
+    intra = config.mesh.intra_size
+    if num_devices % intra:
+        raise ConfigError(
+            f"mesh.intra_size={intra} must divide the number of devices ({num_devices})"
+        )
+    if intra > 1 and config.comm.error_feedback:
+        raise ConfigError(
+            "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
+        )
+    if mode in ("fp32", "bf16") and intra > 1 and config.comm.intra_codec != "fp32":
+        raise ConfigError("comm.intra_codec applies to the low-precision modes; keep it 'fp32'")
+    batch, accum = config.train.global_batch_size, config.train.grad_accum_steps
+    if batch % num_devices:
+        raise ConfigError(
+            f"train.global_batch_size={batch} must be divisible by the data-parallel size "
+            f"{num_devices} (number of devices)"
+        )
+    if (batch // num_devices) % accum:
+        raise ConfigError(
+            f"train.grad_accum_steps={accum} must divide the per-device batch "
+            f"{batch // num_devices} (train.global_batch_size / {num_devices} devices)"
+        )
+    if config.train.seq_len > config.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={config.train.seq_len} exceeds model.max_seq_len="
+            f"{config.model.max_seq_len}"
+        )
+
+
+# ---- comparison (resume) --------------------------------------------------------------------
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+    """The config as a JSON object string (tuples become lists)."""
+    return json.dumps(_flatten(config.to_dict()), sort_keys=True, default=str)
+
+
+def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> list[str]:
+    """``"name: stored != current"`` for every field that matters for resuming."""
+    stored = json.loads(stored_json)
+    current = json.loads(to_json(config))
+    names = sorted((set(stored) | set(current)) - RUN_CONTROL_FIELDS)
+    missing = object()
+    diffs = []
+    for name in names:
+        a, b = stored.get(name, missing), current.get(name, missing)
+        if a != b:
+            a = "<absent>" if a is missing else repr(a)
+            b = "<absent>" if b is missing else repr(b)
+            diffs.append(f"{name}: {a} (checkpoint) != {b} (now)")
+    return diffs

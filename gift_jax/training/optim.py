@@ -1,0 +1,292 @@
+"""The optimizer chain of a run, built from its config.
+
+Per-device gradients enter the chain inside ``jax.shard_map``; the order is
+
+    skip_nonfinite(                                 # the whole step is skipped on Inf/NaN
+      chain(communication,                          # fp32 | bf16 | fp8 | GIFT(fp8) all-reduce
+            record_grad_norm(),                     # ‖reduced gradient‖ for the metrics
+            clip_by_global_norm(c),                 # after the reduction: same on every replica
+            optimizer))                             # AdamW, or Muon (matrices) + AdamW (rest)
+
+PLUMAGE communicates *inside* the optimizer (it reduces the projected coordinates), so in
+``comm.mode='plumage'`` the chain is ``skip_nonfinite(plumage(communicate=chain(all-reduce,
+record_grad_norm(), clip)))``: clipping acts on what was reduced — the projected coordinates
+``R = D⁻¹PᵀG`` and the dense leaves on ordinary steps (‖PR‖ = ‖R‖ for orthonormal ``P``, so this
+is the norm of the unbiased estimate ``Ĝ``) and the full gradient on refresh steps.
+
+Since the finiteness check looks at the chain's *output* (computed from reduced quantities,
+identical on every replica), every replica takes the same decision; a skipped step leaves the
+parameters and the whole optimizer state (moments, error-feedback buffers, keys) untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+import gift_jax
+from gift_jax.lowrank import plumage
+from gift_jax.training.config import GIFT_REMAINDERS
+
+#: Parameters kept off Muon and off low-rank projection (embeddings, output head).
+DENSE_PATTERNS = ("embed/*", "lm_head/*")
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """'/'-joined pytree path of a parameter, e.g. ``layers/3/mlp/down_proj/kernel``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def matches(path: str, patterns: Sequence[str]) -> bool:
+    """Whether a parameter path matches a pattern, given for the leaf or for its module
+    (``*/mlp/down_proj`` selects ``layers/0/mlp/down_proj/kernel``); ``*`` also matches ``/``."""
+    return any(
+        fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + "/kernel") for p in patterns
+    )
+
+
+def path_mask(params: Any, patterns: Sequence[str]) -> Any:
+    """Tree of bools: True where the leaf's path matches one of ``patterns``."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: matches(leaf_path(p), patterns), params)
+
+
+# ---- schedule -------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to ``opt.learning_rate``, then cosine/linear decay to
+    ``opt.final_learning_rate`` at ``num_steps`` (or constant)."""
+    peak, final, warmup = opt.learning_rate, opt.final_learning_rate, opt.warmup_steps
+    decay = max(num_steps - warmup, 1)
+    if opt.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay, alpha=final / peak if peak else 0.0)
+    elif opt.schedule == "linear":
+        after = optax.linear_schedule(peak, final, decay)
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+# ---- small stages ---------------------------------------------------------------------------
+
+
+class GradNormState(NamedTuple):
+    """State of :func:`record_grad_norm`."""
+
+    norm: jax.Array  # () float32: global L2 norm of the last updates seen
+
+
+def record_grad_norm() -> optax.GradientTransformation:
+    """Identity stage that keeps the global norm of its input in state (for metrics)."""
+
+    def init_fn(params):
+        del params
+        return GradNormState(jnp.zeros([], jnp.float32))
+
+    def update_fn(updates, state, params=None):
+        del state, params
+        return updates, GradNormState(optax.tree.norm(updates).astype(jnp.float32))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class SkipState(NamedTuple):
+    """State of :func:`skip_nonfinite`."""
+
+    inner: Any  # state of the wrapped transformation (unchanged by skipped steps)
+    skipped: jax.Array  # () int32: steps skipped so far
+    last_skipped: jax.Array  # () bool: whether the most recent step was skipped
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner``; if any output update is not finite, returns zero updates and keeps the
+    previous inner state (a skipped step, counted in :class:`SkipState`). Extra args are
+    forwarded to ``inner``."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipState(inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], bool))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        new_updates, new_inner = inner.update(updates, state.inner, params, **extra_args)
+        finite = jnp.all(jnp.stack(
+            [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(new_updates)] or [jnp.bool_(True)]
+        ))
+        out = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+        kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_inner, state.inner)
+        skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        return out, SkipState(kept, skipped, jnp.logical_not(finite))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ---- the chain ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The run's optax chain and what the trainer needs to drive it.
+
+    Attributes:
+      tx: the full chain (update inside ``shard_map`` on per-device gradients).
+      schedule: learning rate per step (for logging).
+      mode: ``comm.mode``.
+      refresh_every: period of the static refresh variant (GIFT/PLUMAGE), else ``None``.
+      gift_layers: layer patterns whose input statistics a GIFT refresh needs (else ``()``).
+      stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
+        all-reduce, applied to full gradients).
+    """
+
+    tx: optax.GradientTransformationExtraArgs
+    schedule: optax.Schedule
+    mode: str
+    refresh_every: int | None
+    gift_layers: tuple[str, ...]
+    stage: optax.GradientTransformation
+
+
+def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
+                    codec: str) -> optax.GradientTransformation:
+    """The quantized all-reduce over the data axes with the config's codec settings."""
+    comm = config.comm
+    block = None
+    if codec in ("fp8_e4m3", "fp8_e5m2") and comm.scaling == "block":
+        block = comm.block_size
+    hierarchical = len(axes) > 1  # ('data', 'intra'): reduce over 'intra' first
+    return gift_jax.allreduce(
+        axes[0],
+        codec=codec,
+        block_size=block,
+        stochastic_rounding=comm.stochastic_rounding and codec != "fp32",
+        error_feedback=comm.error_feedback and codec != "fp32",
+        seed=config.train.seed,
+        global_scale=comm.fp8_accumulation,
+        accumulate="fp8" if comm.fp8_accumulation else "fp32",
+        intra_axis=axes[1] if hierarchical else None,
+        intra_codec=comm.intra_codec,
+    )
+
+
+def _clip(config) -> list[optax.GradientTransformation]:
+    c = config.optimizer.grad_clip_norm
+    return [optax.clip_by_global_norm(c)] if c and c > 0 else []
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def _dense_optimizer(config, schedule) -> optax.GradientTransformation:
+    opt = config.optimizer
+    if opt.name == "adamw":
+        return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                           weight_decay=opt.weight_decay, mask=_decay_mask)
+
+    def muon_dims(params):
+        def dims(path, x):
+            if x.ndim == 2 and not matches(leaf_path(path), DENSE_PATTERNS):
+                return MuonDimensionNumbers()
+            return None
+
+        return jax.tree_util.tree_map_with_path(dims, params)
+
+    return optax.contrib.muon(
+        schedule,
+        beta=opt.momentum,
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        weight_decay_mask=_decay_mask,
+        nesterov=opt.nesterov,
+        adam_b1=opt.b1,
+        adam_b2=opt.b2,
+        adam_weight_decay=opt.weight_decay,
+        muon_weight_dimension_numbers=muon_dims,
+        consistent_rms=(opt.muon_extra_scale_factor
+                        if opt.muon_scale_mode == "spectral" else None),
+    )
+
+
+def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
+    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring).
+
+    ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
+    """
+    mode = config.comm.mode
+    schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
+    if mode == "plumage":
+        pl = config.plumage
+        opt = config.optimizer
+        stage = allreduce_stage(config, axes, config.comm.codec)
+        communicate = optax.chain(stage, record_grad_norm(), *_clip(config))
+        layers = tuple(pl.layers)
+        tx = plumage(
+            schedule,
+            rank=pl.rank,
+            refresh_every=pl.refresh_every,
+            weight_decay=opt.weight_decay,
+            weight_decay_mask=_decay_mask,
+            strategy=pl.projector,
+            realign=pl.realign_moments,
+            b1=opt.b1,
+            b2=opt.b2,
+            eps=opt.eps,
+            scale=pl.scale,
+            seed=config.train.seed,
+            mask=lambda params: path_mask(params, layers),
+            communicate=communicate,
+        )
+        return Optimizer(skip_nonfinite(tx), schedule, mode, pl.refresh_every, (), stage)
+
+    codec = {"fp32": "fp32", "bf16": "bf16"}.get(mode, config.comm.codec)
+    stage = allreduce_stage(config, axes, codec)
+    refresh_every, gift_layers = None, ()
+    if mode == "gift_fp8":
+        from gift_jax.gift import gift
+
+        g = config.gift
+        gift_layers = tuple(g.layers)
+        refresh_every = g.refresh_every
+        stage = gift(
+            stage,
+            layers=gift_layers,
+            rank=g.rank,
+            refresh_every=g.refresh_every,
+            factor=GIFT_REMAINDERS[g.remainder],
+            damping=g.damping,
+            ema=g.ema,
+            axis_name=axes if len(axes) > 1 else axes[0],
+            seed=config.train.seed,
+        )
+    chain = optax.chain(stage, record_grad_norm(), *_clip(config),
+                        _dense_optimizer(config, schedule))
+    return Optimizer(skip_nonfinite(chain), schedule, mode, refresh_every, gift_layers, stage)
+
+
+def grad_norm_from_state(opt_state: Any, refresh: bool, mode: str) -> jax.Array:
+    """The reduced-gradient norm recorded by this step (see :func:`record_grad_norm`).
+
+    PLUMAGE keeps two communication states (ordinary and refresh steps); pick the one used.
+    """
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GradNormState))
+             if isinstance(s, GradNormState)]
+    if mode == "plumage" and refresh:
+        return found[-1].norm
+    return found[0].norm

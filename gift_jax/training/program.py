@@ -1,0 +1,97 @@
+"""Everything a run compiles, built once per (config, mesh) and cached in the process.
+
+A :class:`Program` holds the model graph, the optimizer chain, the jitted initialisers, the
+train step variants, the eval step and the fidelity diagnostic. All of it is a function of
+the config (minus logging/checkpoint cadence) and the mesh, so repeated :func:`train` calls in
+one process — resuming, sweeps in a notebook, tests — reuse the compiled executables.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from gift_jax.models import LlamaConfig
+from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
+from gift_jax.training.mesh import data_axes
+from gift_jax.training.optim import Optimizer, build_optimizer
+from gift_jax.training.step import (
+    TrainStep,
+    eval_step_fn,
+    fidelity_available,
+    fidelity_fn,
+    model_def_of,
+    opt_init_fn,
+    params_init_fn,
+)
+
+_CACHE_SIZE = 16
+_CACHE: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
+
+
+class Program:
+    """The compiled pieces of one run configuration on one mesh."""
+
+    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
+                 compiler_options: dict[str, Any] | None = None):
+        tc = config.train
+        self.mesh = mesh
+        self.model_config = LlamaConfig.from_mapping(config.model)
+        self.model_def = model_def_of(self.model_config)
+        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh))
+        self.init_params = params_init_fn(self.model_config, tc.seed, mesh)
+        abstract_params = jax.eval_shape(self.init_params)
+        self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh)
+        abstract_state = jax.eval_shape(self.init_opt_state, abstract_params)
+        self.step = TrainStep(self.model_def, self.optimizer, mesh, abstract_params,
+                              abstract_state, global_batch=tc.global_batch_size,
+                              seq_len=tc.seq_len, accum_steps=tc.grad_accum_steps,
+                              compiler_options=compiler_options)
+        self._accum = tc.grad_accum_steps
+
+    def init(self) -> tuple[Any, Any]:
+        """Fresh ``(params, opt_state)`` on the step's shardings."""
+        params = self.init_params()
+        return self.step.place(params, self.init_opt_state(params))
+
+    @functools.cached_property
+    def evaluate(self) -> Callable:
+        """Jitted ``(params, batch) → mean loss``."""
+        return eval_step_fn(self.model_def, self.mesh)
+
+    @functools.cached_property
+    def diagnose(self) -> Callable | None:
+        """Jitted fidelity diagnostic, or ``None`` without :mod:`gift_jax.fidelity`."""
+        if not fidelity_available():
+            return None
+        return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,
+                           self._accum)
+
+
+def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options) -> tuple:
+    fields = {k: v for k, v in json.loads(to_json(config)).items()
+              if k not in RUN_CONTROL_FIELDS}
+    devices = tuple(int(d.id) for d in mesh.devices.flat)
+    options = json.dumps(compiler_options or {}, sort_keys=True, default=str)
+    return json.dumps(fields, sort_keys=True), mesh.axis_names, mesh.devices.shape, devices, options
+
+
+def program_for(config: ml_collections.ConfigDict, mesh: Mesh,
+                compiler_options: dict[str, Any] | None = None) -> Program:
+    """The cached :class:`Program` of ``config`` on ``mesh`` (built on first use)."""
+    key = _key(config, mesh, compiler_options)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    program = Program(config, mesh, compiler_options)
+    _CACHE[key] = program
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return program
