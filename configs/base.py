@@ -58,7 +58,14 @@ def get_config() -> ml_collections.ConfigDict:
     train.eval_every = 100  # steps between evaluations; 0 disables
     train.eval_batches = 4  # batches per evaluation
     train.checkpoint_every = 0  # steps between checkpoints; 0 disables
+    train.keep_checkpoints = 3  # newest checkpoints kept on disk
+    train.grad_accum_steps = 1  # microbatches per optimizer step (one reduction per step)
+    train.diagnostics_every = 100  # steps between wire-byte / round-trip fidelity records
     train.workdir = ""  # checkpoints and metrics directory; "" = no output files
+
+    # ------------------------------------------------------------------ device mesh
+    mesh = config.mesh = ml_collections.ConfigDict()
+    mesh.intra_size = 1  # > 1: a second (intra-node) axis for hierarchical communication
 
     # ------------------------------------------------------------------ gradient communication
     comm = config.comm = ml_collections.ConfigDict()
@@ -69,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     comm.stochastic_rounding = False  # unbiased rounding in the quantizer
     comm.error_feedback = False  # carry each replica's quantization error to the next step
     comm.fp8_accumulation = False  # emulate the artifact's FP8 NCCL accumulation (global pmax)
+    comm.intra_codec = "fp32"  # codec inside the intra-node axis when mesh.intra_size > 1
 
     # ------------------------------------------------------------------ GIFT whitening
     gift = config.gift = ml_collections.ConfigDict()
