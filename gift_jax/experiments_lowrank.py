@@ -1,0 +1,626 @@
+"""Low-rank optimizer experiments: Adam vs GaLore vs FLORA vs PLUMAGE on the project's Llama.
+
+Two kinds of measurement live here (``scripts/lowrank_compare.py`` and
+``scripts/bench_lowrank.py`` are thin wrappers):
+
+* **Training comparison** (single device, a plain ``jax.jit`` training loop): every method
+  trains the same model from the same initialisation on the same batches; low-rank methods use
+  one rank, one refresh interval, one learning rate and GaLore's ``scale`` — so they hold the
+  same optimizer-state memory — and differ only in the projector (``strategy``) and whether
+  the moments are realigned when the projection changes. Embeddings, the output head and the
+  RMSNorm scales stay dense (plain Adam inside the same transformation).
+* **Benchmarks**: optimizer-state bytes from ``jax.eval_shape`` of ``init`` on
+  :func:`gift_jax.models.param_shapes` (nothing is allocated), and best-of-N wall times of the
+  jitted optimizer update on ordinary and on refresh steps.
+
+Methods (:data:`METHODS`): ``adam`` (full-rank Adam), ``galore`` (top-k SVD projector),
+``flora`` (Gaussian projector redrawn at each refresh), ``plumage`` (sampled, unbiased,
+moments realigned), ``plumage_norealign`` (the same projector, moments kept as they are),
+and ``adam_scaled``: full-rank Adam with the low-rank methods' learning rates (``lr_lowrank``
+on dense leaves, ``scale · lr_lowrank`` on the matrices that they project) — the ``k → min
+side`` limit of GaLore, which separates the effect of the projection from that of the
+learning rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gift_jax.lowrank import mask_excluding, plumage, refresh_due
+from gift_jax.lowrank.layout import resolve_layouts
+from gift_jax.models import Llama, LlamaConfig, next_token_loss, param_shapes
+
+__all__ = [
+    "METHODS",
+    "CompareSettings",
+    "RunResult",
+    "dense_mask",
+    "format_compare_markdown",
+    "load_runs",
+    "make_optimizer",
+    "optax_galore",
+    "plot_curves",
+    "projection_table",
+    "run_comparison",
+    "state_bytes",
+    "state_memory_table",
+    "summarize",
+    "time_updates",
+    "train_run",
+]
+
+METHODS = ("adam", "adam_scaled", "galore", "flora", "plumage", "plumage_norealign")
+#: Full-rank baselines the gap closed is measured against.
+BASELINES = ("adam", "adam_scaled")
+_STRATEGY = {
+    "galore": ("galore", True),
+    "flora": ("flora", True),
+    "plumage": ("plumage", True),
+    "plumage_norealign": ("plumage", False),
+}
+#: Substrings of the parameter paths kept dense (embedding and output head).
+DENSE_SUBSTRINGS = ("embed", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareSettings:
+    """Settings of the training comparison (every method, every seed).
+
+    Attributes:
+      model: ``LlamaConfig`` fields (byte-level vocabulary 256).
+      steps: optimizer steps per run.
+      batch: sequences per step.
+      seq_len: tokens per sequence (the model reads ``seq_len`` and predicts the next tokens).
+      rank: projection rank ``k`` of every projected matrix (all low-rank methods).
+      refresh_every: projection refresh interval τ (all low-rank methods).
+      scale: GaLore's α on the back-projected update (all low-rank methods).
+      lr_adam: peak learning rate of full-rank Adam.
+      lr_lowrank: peak learning rate of the low-rank methods (GaLore style).
+      warmup: linear warmup steps; then cosine decay to ``final_lr_ratio`` × peak.
+      final_lr_ratio: end of the cosine as a fraction of the peak.
+      b1, b2, eps: Adam hyperparameters (shared by every method).
+      clip: global-norm clipping of the gradient before the optimizer; 0 disables.
+      eval_every: steps between validation evaluations (and at the last step).
+      eval_batches: validation batches per evaluation (the same windows every time).
+      eval_batch: sequences per validation batch.
+      data: ``gift_jax.data.get_source`` spec.
+    """
+
+    model: tuple[tuple[str, Any], ...] = (
+        ("vocab_size", 256),
+        ("d_model", 128),
+        ("num_layers", 2),
+        ("num_heads", 4),
+        ("d_ff", 344),
+        ("max_seq_len", 64),
+    )
+    steps: int = 300
+    batch: int = 8
+    seq_len: int = 64
+    rank: int = 32
+    refresh_every: int = 50
+    scale: float = 0.25
+    lr_adam: float = 1.5e-3
+    lr_lowrank: float = 1e-2
+    warmup: int = 30
+    final_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    eval_batch: int = 16
+    data: str = "shakespeare"
+
+    @property
+    def model_config(self) -> LlamaConfig:
+        return LlamaConfig.from_mapping(dict(self.model))
+
+    def replace(self, **kw) -> CompareSettings:
+        if "model" in kw and isinstance(kw["model"], dict):
+            kw["model"] = tuple(sorted(kw["model"].items()))
+        return dataclasses.replace(self, **kw)
+
+
+# ------------------------------------------------------------------------------- optimizers
+
+
+def dense_mask() -> Callable[[Any], Any]:
+    """Projection mask: every ≥2-D leaf except the embedding and the output head."""
+    return mask_excluding(*DENSE_SUBSTRINGS)
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
+    """Which leaves a rank-``rank`` low-rank method projects, and how.
+
+    Returns one row per leaf: ``path``, ``shape``, ``projected`` (bool), and for projected
+    leaves ``side`` (``reduction`` = input axis of the Flax kernel), ``m`` (projected side),
+    ``n`` and ``rank``; dense leaves get ``reason`` (``1-D``, ``masked``, ``rank >= min side``).
+    """
+    mask = dense_mask() if mask is None else mask
+    layouts = resolve_layouts(params, rank, None, mask)
+    mask_tree = mask(params) if callable(mask) else mask
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    lays = jax.tree.structure(params).flatten_up_to(layouts)
+    masks = jax.tree.structure(params).flatten_up_to(mask_tree)
+    rows = []
+    for (path, x), lay, mk in zip(flat, lays, masks, strict=True):
+        row = {"path": _path(path), "shape": tuple(x.shape), "projected": lay is not None}
+        if lay is not None:
+            row.update(side=lay.side, m=lay.m, n=lay.n, rank=lay.rank)
+        elif len(x.shape) < 2:
+            row["reason"] = "1-D"
+        elif not mk:
+            row["reason"] = "masked (dense)"
+        else:
+            row["reason"] = f"rank {rank} >= min side {min(x.shape)}"
+        rows.append(row)
+    return rows
+
+
+def _schedule(peak: float, s: CompareSettings) -> optax.Schedule:
+    decay = max(s.steps - s.warmup, 1)
+    after = optax.cosine_decay_schedule(peak, decay, alpha=s.final_lr_ratio)
+    if s.warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, s.warmup), after], [s.warmup])
+
+
+def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.GradientTransformation:
+    """The optimizer of ``method`` under settings ``s`` (clipping → method → learning rate)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    clip = [optax.clip_by_global_norm(s.clip)] if s.clip > 0 else []
+    if method == "adam":
+        tx = optax.adam(_schedule(s.lr_adam, s), b1=s.b1, b2=s.b2, eps=s.eps)
+    elif method == "adam_scaled":
+        tx = optax.chain(
+            optax.scale_by_adam(b1=s.b1, b2=s.b2, eps=s.eps),
+            optax.masked(optax.scale(s.scale), dense_mask()),
+            optax.scale_by_learning_rate(_schedule(s.lr_lowrank, s)),
+        )
+    else:
+        strategy, realign = _STRATEGY[method]
+        tx = plumage(
+            _schedule(s.lr_lowrank, s),
+            rank=s.rank,
+            refresh_every=s.refresh_every,
+            strategy=strategy,
+            realign=realign,
+            b1=s.b1,
+            b2=s.b2,
+            eps=s.eps,
+            scale=s.scale,
+            seed=seed,
+            mask=dense_mask(),
+        )
+    return optax.chain(*clip, tx)
+
+
+def optax_galore(rank: int, refresh_every: int, scale: float, lr: float = 1.0, b2: float = 0.999):
+    """``optax.contrib.galore`` with the same dense leaves as ours (embedding, head, 1-D)."""
+
+    def dims(params):
+        def f(path, x):
+            name = _path(path).lower()
+            dense = x.ndim != 2 or any(d in name for d in DENSE_SUBSTRINGS)
+            return None if dense else optax.contrib.GaLoreDimensionNumbers(0, 1)
+
+        return jax.tree_util.tree_map_with_path(f, params)
+
+    return optax.contrib.galore(
+        lr,
+        rank=rank,
+        update_proj_gap=refresh_every,
+        scale=scale,
+        base_optimizer=optax.scale_by_adam(b2=b2),
+        weight_dimension_numbers=dims,
+    )
+
+
+# ------------------------------------------------------------------------------- training
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One training run: loss curves and the final validation loss."""
+
+    method: str
+    seed: int
+    train_steps: list[int]
+    train_loss: list[float]
+    eval_steps: list[int]
+    eval_loss: list[float]
+    seconds: float
+
+    @property
+    def final_eval(self) -> float:
+        return self.eval_loss[-1]
+
+
+def _eval_batches(source, s: CompareSettings) -> np.ndarray:
+    from gift_jax.data import batch_iterator
+
+    it = batch_iterator(source, "validation", s.eval_batch, s.seq_len, loop=False)
+    out = [b for _, b in zip(range(s.eval_batches), it, strict=False)]
+    if len(out) < s.eval_batches:
+        raise ValueError(f"validation split has only {len(out)} batches of {s.eval_batch}")
+    return np.stack(out)
+
+
+_PROGRAMS: dict = {}
+
+
+def _programs(method: str, s: CompareSettings):
+    """Jitted train step (per method) and eval loss, cached so seeds reuse the compilation."""
+    key = (method, s)
+    if key in _PROGRAMS:
+        return _PROGRAMS[key]
+    abstract = nnx.eval_shape(lambda: Llama(s.model_config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract, nnx.Param)
+    tx = make_optimizer(method, s, 0)
+
+    def loss_fn(p, tokens):
+        return next_token_loss(nnx.merge(graphdef, p), tokens)
+
+    @jax.jit
+    def train_step(p, o, tokens):
+        loss, g = jax.value_and_grad(loss_fn)(p, tokens)
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    ekey = ("eval", s)
+    if ekey not in _PROGRAMS:
+        _PROGRAMS[ekey] = jax.jit(
+            lambda p, batches: jnp.mean(jax.lax.map(lambda b: loss_fn(p, b), batches))
+        )
+    _PROGRAMS[key] = (graphdef, train_step, _PROGRAMS[ekey])
+    return _PROGRAMS[key]
+
+
+def train_run(
+    method: str,
+    s: CompareSettings,
+    seed: int,
+    source,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Trains the Llama of ``s`` with ``method`` (seed: init, data order and sampling key)."""
+    from gift_jax.data import batch_iterator
+
+    graphdef, train_step, eval_loss = _programs(method, s)
+    model = Llama(s.model_config, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # The sampling seed only enters the state (init); the jitted update is shared by seeds.
+    opt_state = make_optimizer(method, s, seed).init(params)
+
+    val = jnp.asarray(_eval_batches(source, s))
+    it = batch_iterator(source, "train", s.batch, s.seq_len, seed=seed)
+    res = RunResult(method, seed, [], [], [], [], 0.0)
+    start = time.perf_counter()
+    for step in range(1, s.steps + 1):
+        params, opt_state, loss = train_step(params, opt_state, jnp.asarray(next(it)))
+        res.train_steps.append(step)
+        res.train_loss.append(float(loss))
+        if step % s.eval_every == 0 or step == s.steps:
+            res.eval_steps.append(step)
+            res.eval_loss.append(float(eval_loss(params, val)))
+            if log is not None:
+                log(
+                    f"  {method:18s} seed {seed} step {step:4d} train {res.train_loss[-1]:.4f} "
+                    f"eval {res.eval_loss[-1]:.4f}"
+                )
+    res.seconds = time.perf_counter() - start
+    if not math.isfinite(res.final_eval):
+        raise FloatingPointError(f"{method} seed {seed}: non-finite final eval loss")
+    return res
+
+
+def run_comparison(
+    s: CompareSettings,
+    methods: Sequence[str] = METHODS,
+    seeds: Sequence[int] = (0, 1, 2),
+    *,
+    source=None,
+    log: Callable[[str], None] | None = print,
+) -> list[RunResult]:
+    """Every method × every seed; returns the runs in that order."""
+    if source is None:
+        from gift_jax.data import get_source
+
+        source = get_source(s.data)
+    results = []
+    for method in methods:  # method-major: each method compiles once, its seeds reuse it
+        for seed in seeds:
+            r = train_run(method, s, seed, source, log=log)
+            if log is not None:
+                log(f"{method} seed {seed}: final eval {r.final_eval:.4f} ({r.seconds:.1f} s)")
+            results.append(r)
+    return results
+
+
+def _lr_field(method: str) -> str:
+    return "lr_adam" if method == "adam" else "lr_lowrank"
+
+
+def load_runs(path: str, s: CompareSettings, methods: Sequence[str]) -> list[RunResult]:
+    """Runs of ``methods`` from a ``results.json`` written by ``scripts/lowrank_compare.py``.
+
+    Raises ``ValueError`` unless the saved settings equal ``s`` in every field that the run
+    depends on (all fields but the *other* family's learning rate).
+    """
+    import json
+
+    with open(path) as fh:
+        saved = json.load(fh)
+    mine = dataclasses.asdict(s)
+    theirs = saved["settings"]
+    theirs["model"] = tuple(tuple(x) for x in theirs["model"])
+    mine["model"] = tuple(tuple(x) for x in mine["model"])
+    runs = []
+    for m in methods:
+        other = "lr_lowrank" if _lr_field(m) == "lr_adam" else "lr_adam"
+        diff = [k for k in mine if k != other and mine[k] != theirs.get(k)]
+        if diff:
+            raise ValueError(f"{path}: settings differ for {m} in {diff}")
+        found = [RunResult(**r) for r in saved["runs"] if r["method"] == m]
+        if not found:
+            raise ValueError(f"{path} holds no run of {m}")
+        runs += found
+    return runs
+
+
+def summarize(results: Sequence[RunResult]) -> dict:
+    """Mean ± std (ddof=1) of the final eval loss per method, and the gap closed.
+
+    ``gap_closed[base][X] = (GaLore − X) / (GaLore − base)`` on the means (and per seed, when
+    every seed has all three) for X in plumage, plumage_norealign, flora and each full-rank
+    baseline present (``adam``, ``adam_scaled``). It is meaningful only when GaLore is worse
+    than the baseline (``galore_minus_base > 0``).
+    """
+    by: dict[str, dict[int, float]] = {}
+    for r in results:
+        by.setdefault(r.method, {})[r.seed] = r.final_eval
+    out: dict[str, Any] = {"methods": {}}
+    for m, d in by.items():
+        v = np.array(list(d.values()))
+        std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+        out["methods"][m] = {"mean": float(v.mean()), "std": std, "n": len(v), "per_seed": d}
+    gaps: dict[str, dict] = {}
+    for base in BASELINES:
+        if base not in by or "galore" not in by:
+            continue
+        a, g = out["methods"][base]["mean"], out["methods"]["galore"]["mean"]
+        for m in ("plumage", "plumage_norealign", "flora"):
+            if m not in by:
+                continue
+            p = out["methods"][m]["mean"]
+            per = [
+                (by["galore"][k] - by[m][k]) / (by["galore"][k] - by[base][k])
+                for k in by[m]
+                if k in by["galore"] and k in by[base] and by["galore"][k] != by[base][k]
+            ]
+            gaps.setdefault(base, {})[m] = {
+                "of_means": (g - p) / (g - a) if g != a else float("nan"),
+                "per_seed": per,
+                "galore_minus_base": g - a,
+            }
+    out["gap_closed"] = gaps
+    return out
+
+
+def format_compare_markdown(summary: dict, s: CompareSettings) -> str:
+    """A markdown table of the summary."""
+    lines = [
+        "| method | final eval loss (mean ± std) | n | per seed |",
+        "|---|---|---|---|",
+    ]
+    for m in METHODS:
+        if m not in summary["methods"]:
+            continue
+        d = summary["methods"][m]
+        per = ", ".join(f"{v:.4f}" for _, v in sorted(d["per_seed"].items()))
+        lines.append(f"| {m} | {d['mean']:.4f} ± {d['std']:.4f} | {d['n']} | {per} |")
+    for base, gaps in summary["gap_closed"].items():
+        gb = next(iter(gaps.values()))["galore_minus_base"]
+        lines += [
+            "",
+            f"| X | gap closed (GaLore − X)/(GaLore − {base}), of means | per seed |",
+            "|---|---|---|",
+        ]
+        for m, gc in gaps.items():
+            per = ", ".join(f"{x:+.1%}" for x in gc["per_seed"])
+            lines.append(f"| {m} | {gc['of_means']:+.1%} | {per} |")
+        lines.append(f"\n(GaLore − {base} = {gb:+.4f}" + (
+            "; negative: GaLore beats this baseline, so the ratio is not a gap closed)"
+            if gb <= 0 else ")"))
+    return "\n".join(lines)
+
+
+def plot_curves(results: Sequence[RunResult], path: str, *, smooth: int = 20) -> None:
+    """Train loss (moving average, mean over seeds) and eval loss (mean ± std) per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    methods = [m for m in METHODS if any(r.method == m for r in results)]
+    for m in methods:
+        rs = [r for r in results if r.method == m]
+        tr = np.mean([r.train_loss for r in rs], axis=0)
+        k = max(1, min(smooth, len(tr)))
+        sm = np.convolve(tr, np.ones(k) / k, mode="valid")
+        ax1.plot(rs[0].train_steps[k - 1 :], sm, label=m)
+        ev = np.array([r.eval_loss for r in rs])
+        mu, sd = ev.mean(0), ev.std(0)
+        (line,) = ax2.plot(rs[0].eval_steps, mu, marker="o", label=m)
+        ax2.fill_between(rs[0].eval_steps, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
+    ax1.set(xlabel="step", ylabel=f"train loss (moving avg {smooth}, mean of seeds)")
+    ax2.set(xlabel="step", ylabel="validation loss (mean ± std over seeds)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    tail = [r.eval_loss[-1] for r in results]
+    ax2.set_ylim(min(tail) - 0.1, max(tail) + 0.6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- benchmarks
+
+
+def _bytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
+    """Bytes of ``tx.init(params)`` from ``jax.eval_shape`` (no allocation)."""
+    return _bytes(jax.eval_shape(tx.init, params))
+
+
+def _load_config(path: str):
+    import runpy
+
+    return runpy.run_path(path)["get_config"]()
+
+
+def state_memory_table(config_paths: Sequence[str]) -> list[dict]:
+    """Optimizer-state bytes of Adam, ours (GaLore/PLUMAGE/FLORA) and optax.contrib.galore.
+
+    Rank, refresh interval and scale are each config's ``plumage`` group; embedding, head and
+    1-D leaves dense in every low-rank method. ``params`` counts the fp32 parameter bytes.
+    """
+    rows = []
+    for path in config_paths:
+        cfg = _load_config(path)
+        mc = LlamaConfig.from_mapping(dict(cfg.model))
+        shapes = param_shapes(mc)
+        rank, tau = cfg.plumage.rank, cfg.plumage.refresh_every
+        proj = projection_table(shapes, rank)
+        row = {
+            "config": path.rsplit("/", 1)[-1].removesuffix(".py"),
+            "rank": rank,
+            "params": _bytes(shapes),
+            "projected_leaves": sum(r["projected"] for r in proj),
+            "leaves": len(proj),
+            "adam": state_bytes(optax.adam(1e-3), shapes),
+            "optax_galore": state_bytes(optax_galore(rank, tau, 0.25), shapes),
+        }
+        for strat in ("galore", "plumage", "flora"):
+            tx = plumage(1e-3, rank, tau, strategy=strat, mask=dense_mask())
+            row[f"ours_{strat}"] = state_bytes(tx, shapes)
+        rows.append(row)
+    return rows
+
+
+def _block_params(d_model: int, d_ff: int, key: jax.Array) -> dict:
+    """One Llama block's matrices (q, k, v, o, gate, up, down) and its two norm scales."""
+    shapes = {
+        "q_proj": (d_model, d_model),
+        "k_proj": (d_model, d_model),
+        "v_proj": (d_model, d_model),
+        "o_proj": (d_model, d_model),
+        "gate_proj": (d_model, d_ff),
+        "up_proj": (d_model, d_ff),
+        "down_proj": (d_ff, d_model),
+        "attn_norm": (d_model,),
+        "mlp_norm": (d_model,),
+    }
+    keys = jax.random.split(key, len(shapes))
+    return {n: jax.random.normal(k, s, jnp.float32) for (n, s), k in zip(shapes.items(), keys,
+                                                                        strict=True)}
+
+
+def time_updates(
+    d_model: int = 512,
+    d_ff: int = 1376,
+    layers: int = 1,
+    rank: int = 128,
+    refresh_every: int = 200,
+    repeats: int = 20,
+    seed: int = 0,
+    strategies: Sequence[str] = ("plumage", "galore", "flora"),
+    include_optax: bool = True,
+    refresh_repeats: int = 3,
+) -> list[dict]:
+    """Best-of-N wall time of one jitted optimizer update (updates + new state).
+
+    N is ``repeats`` for ordinary steps and ``refresh_repeats`` for refresh steps (an SVD of
+    every projected matrix: seconds on a CPU).
+
+    Params: ``layers`` Llama blocks of ``d_model``/``d_ff`` (7 matrices and 2 norm scales
+    each). Variants:
+
+    * ours with the static ``plumage_refresh=False`` (ordinary step: no SVD in the program)
+      and ``=True`` (refresh step: SVD of every projected leaf), strategies ``plumage``,
+      ``galore`` and ``flora``;
+    * ours with the default in-graph ``lax.cond`` schedule (the structure of optax's), timed
+      at a count that does not refresh;
+    * ``optax.contrib.galore`` at ``count % τ != 0`` (ordinary) and ``count % τ == 0``
+      (refresh).
+    """
+    key = jax.random.PRNGKey(seed)
+    params = {
+        f"layer{i}": _block_params(d_model, d_ff, k)
+        for i, k in enumerate(jax.random.split(key, layers))
+    }
+    grads = jax.tree.map(lambda x: 1e-3 * x, params)
+    cases = []  # (optimizer, step kind, jitted fn, args, repeats)
+
+    for strat in strategies:
+        tx = plumage(1e-3, rank, refresh_every, strategy=strat)
+        st = tx.init(params)
+        upd = {
+            flag: jax.jit(lambda g, s, p, f=flag, t=tx: t.update(g, s, p, plumage_refresh=f))
+            for flag in (False, True)
+        }
+        _, st = upd[True](grads, st, params)  # a realistic (refreshed) state
+        cases.append((f"ours[{strat}]", "ordinary", upd[False], (grads, st, params), repeats))
+        cases.append((f"ours[{strat}]", "refresh", upd[True], (grads, st, params),
+                      refresh_repeats))
+        if strat != "flora":
+            cond = jax.jit(tx.update)
+            _, st1 = cond(grads, tx.init(params), params)  # count 0: refresh inside the cond
+            assert not bool(refresh_due(st1))
+            cases.append((f"ours[{strat}] (lax.cond)", "ordinary", cond, (grads, st1, params),
+                          repeats))
+    if include_optax:
+        tx = optax_galore(rank, refresh_every, 0.25, lr=1e-3)
+        upd = jax.jit(tx.update)
+        st0 = tx.init(params)
+        _, st1 = upd(grads, st0, params)  # count 1 → ordinary step
+        cases.append(("optax.contrib.galore", "ordinary", upd, (grads, st1, params), repeats))
+        cases.append(("optax.contrib.galore", "refresh", upd, (grads, st0, params),
+                      refresh_repeats))
+
+    # Interleaved rounds (every case once per round, best over rounds): a slow drift of the
+    # machine's load then affects every case alike.
+    for _, _, fn, args, _ in cases:
+        jax.block_until_ready(fn(*args))  # compile + warm up
+    best = [float("inf")] * len(cases)
+    for i in range(max(c[4] for c in cases)):
+        for j, (_, _, fn, args, n) in enumerate(cases):
+            if i < n:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                best[j] = min(best[j], time.perf_counter() - t0)
+    return [{"optimizer": c[0], "step": c[1], "seconds": b} for c, b in zip(cases, best,
+                                                                            strict=True)]
