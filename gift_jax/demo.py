@@ -39,13 +39,18 @@ def _last(history, key):
 
 def run_demo(out_dir: str | os.PathLike, steps: int = 100, modes=DEMO_MODES,
              data: str | None = None, data_dir: str | None = None,
-             show_progress: bool = True) -> list[dict]:
-    """Train every mode (same seed), write ``<out_dir>/<mode>/`` runs, return table rows."""
+             show_progress: bool = True, config_file: str | os.PathLike | None = None,
+             compiler_options: dict | None = None) -> list[dict]:
+    """Train every mode (same seed), write ``<out_dir>/<mode>/`` runs, return table rows.
+
+    ``config_file`` replaces ``configs/tiny.py``; ``compiler_options`` go to the trainer.
+    """
     rows = []
     for mode in modes:
         workdir = pathlib.Path(out_dir) / mode
-        result = train(demo_config(mode, steps), str(workdir), data=data, data_dir=data_dir,
-                       show_progress=show_progress)
+        result = train(demo_config(mode, steps, config_file), str(workdir), data=data,
+                       data_dir=data_dir, show_progress=show_progress,
+                       compiler_options=compiler_options)
         s, h = result.summary, result.history
         rows.append({
             "mode": mode,

@@ -1,13 +1,29 @@
 """Smoke test of the README demo's library side: one short run, the table and the PNG."""
 
+import pathlib
+
 import pytest
 
 from gift_jax.demo import format_table, run_demo
 from gift_jax.plotting import plot_runs, read_metrics
 
 
+SMALL = """
+import pathlib, runpy
+def get_config():
+    config = runpy.run_path(str(pathlib.Path({tiny!r})))["get_config"]()
+    config.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_seq_len=16)
+    config.train.seq_len = 16
+    return config
+"""
+
+
 def test_demo_one_mode_table_and_plot(tmp_path):
-    rows = run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False)
+    tiny = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+    cfg = tmp_path / "small.py"
+    cfg.write_text(SMALL.format(tiny=str(tiny)))
+    rows = run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg,
+                    compiler_options={"xla_backend_optimization_level": 0})
     (row,) = rows
     assert row["mode"] == "fp8" and 0.24 < row["wire_vs_fp32"] < 0.27
     assert 0 < row["eval_loss"] < 6 and 0 < row["roundtrip_rel_l2"] < 0.1
