@@ -32,5 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.seq_len = 128  # tokens per sequence
     config.train.num_steps = 300  # ≈ 0.3 CPU-s per step: 1–2 minutes on 2 CPU cores
 
+    config.plumage.rank = 32  # a quarter of d_model: every attention/MLP kernel is projected
+    config.plumage.refresh_every = 50  # several refreshes in a demo-length run
+
+    config.gift.refresh_every = 50  # K, as in the paper
+
     config.data.source = "shakespeare"  # bundled corpus
     return config
