@@ -35,7 +35,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.plumage.rank = 32  # a quarter of d_model: every attention/MLP kernel is projected
     config.plumage.refresh_every = 50  # several refreshes in a demo-length run
 
-    config.gift.refresh_every = 50  # K, as in the paper
-
     config.data.source = "shakespeare"  # bundled corpus
     return config
