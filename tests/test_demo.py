@@ -7,7 +7,6 @@ import pytest
 from gift_jax.demo import format_table, run_demo
 from gift_jax.plotting import plot_runs, read_metrics
 
-
 SMALL = """
 import pathlib, runpy
 def get_config():

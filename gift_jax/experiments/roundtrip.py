@@ -1,0 +1,816 @@
+"""Round-trip fidelity of GIFT on real gradients (arXiv 2607.07494, Tables I/II) and the
+factor-staleness ablation.
+
+Pipeline (everything on one device, fp32):
+
+1. **Train** a small Llama (``configs/<name>.py``, default ``tiny``) with AdamW for a short run
+   in a plain ``jax.jit`` loop (:class:`Trainer`), on the configured corpus
+   (:func:`gift_jax.data.get_source`).
+2. **Per-replica gradients** (:func:`make_replica_fn`): a global batch is split into R local
+   batches — R simulated data-parallel replicas.  For each, the local kernel gradient ``G_r``
+   of every selected ``nnx.Linear``, its local input second moment ``A_r = E[x xᵀ]``
+   (:func:`gift_jax.capture.with_input_stats`) and, for the two-sided K-FAC row, the local
+   output-gradient second moment ``B_r = E[g gᵀ]`` with ``g = ∂ℓ_t/∂y_t`` the per-token gradient
+   of the layer output (captured by adding a zero "probe" to each layer's output and
+   differentiating with respect to it).  The factors are built from the replica means
+   ``Ā = mean_r A_r`` (what the GIFT stage's ``pmean`` gives), so every replica would hold the
+   same factor.
+3. **Simulated quantized all-reduce** over the R replicas (:func:`simulate_allreduce`), with the
+   codec functions of :mod:`gift_jax.codecs` (per-tensor fp8 scales):
+
+   * ``accumulate="fp32"`` (the library default): every replica quantizes ``x_r`` with its own
+     scale ``amax(x_r)/fmax`` (or a shared one with ``global_scale``), the decoded values are
+     summed in fp32 in replica order, the mean is re-quantized with its own scale and decoded
+     — ``Q(mean_r Q(x_r))``.  The real collective (:func:`gift_jax.quantized_psum`) scales
+     each reduce-scatter *shard* of the mean separately; with ``global_scale=True`` the shard
+     scales are ``pmax``-shared and the two agree (checked in the tests).
+   * ``accumulate="fp8"`` (the artifact's NCCL FP8 ring): one shared scale
+     ``max_r amax(x_r)/fmax``; the running sum is rounded back to the wire format after every
+     hop, ``acc ← Q(acc + Q(x_r))`` (no headroom: a sum beyond ``fmax`` saturates), then
+     ``/R`` and the all-gather re-quantization — the same arithmetic as
+     ``gift_jax.collectives._fp8_ring_sum``.
+   * error feedback (optional): each replica adds its previous local quantization error
+     ``x_r − Q(x_r)`` to the next step's input, and the re-quantization error of the mean is
+     added back before the next re-quantization (the library's two buffers).  With GIFT the
+     buffers live in the whitened frame, which is fixed within a refresh window.
+
+4. **Frames** (rows of Table I/II): Euclidean; output-side only (full ``B``); input-side full
+   ``A`` (Cholesky, the artifact); two-sided full (``A ⊗ B``); diagonal ``A``; block-128 ``A``;
+   rank-r ``A`` (top-r eigenpairs + diagonal remainder by default, as the artifact).
+   ``G → W·G → all-reduce → W⁻¹·``, compared with the exact fp32 mean of the ``G_r``.
+5. **Metrics** (:mod:`gift_jax.fidelity`): relative L2, cosine, max |error|, the whitened-frame
+   error ``‖W_A(Ĝ − G)‖/‖W_A G‖`` (always in the frame of the full input-side factor of the
+   step's own ``Ā`` — the same yardstick for every row), the Adam-normalised update error
+   (``G/(|G|+ε)``) and the Muon-orthogonalised update error (``polar(G)`` by Muon's 5-step
+   Newton–Schulz).  L2 metrics are pooled over the layers of a group (the error of the
+   concatenated gradient); max |error| is the max over layers; the Muon error is the mean over
+   layers.
+
+A float format's per-element relative error does not depend on the frame, so whitening is not
+expected to shrink the Euclidean relative L2 by itself; where it helps is the geometry-aware
+error (whitened frame, optimizer updates) and when the range of the format is the problem
+(saturation, underflow, FP8 accumulation).  We report every frame as measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import runpy
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gift_jax import whitening as wh
+from gift_jax.capture import find_linear_layers, with_input_stats
+from gift_jax.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
+from gift_jax.fidelity import adam_normalise, polar
+from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+
+__all__ = [
+    "CONFIG_DIR",
+    "DEFAULT_GROUPS",
+    "DEFAULT_METHODS",
+    "Method",
+    "Trainer",
+    "build_factors",
+    "capture_replicas",
+    "evaluate_method",
+    "load_config",
+    "make_replica_fn",
+    "markdown_table",
+    "roundtrip_experiment",
+    "simulate_allreduce",
+    "staleness_experiment",
+    "tensor_quantize",
+]
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+#: Layer groups of the tables: inputs of width d_model, and the MLP down-projection (input d_ff).
+DEFAULT_GROUPS: dict[str, tuple[str, ...]] = {
+    "d_model-input (q,k,v,o,gate,up)": (
+        "*/attn/q_proj", "*/attn/k_proj", "*/attn/v_proj", "*/attn/o_proj",
+        "*/mlp/gate_proj", "*/mlp/up_proj",
+    ),
+    "down_proj (input d_ff)": ("*/mlp/down_proj",),
+}
+
+
+# ============================================================================================
+# Config, model, training
+# ============================================================================================
+
+
+def load_config(name_or_path: str):
+    """The ``get_config()`` of ``configs/<name>.py`` (or of a path to a config file)."""
+    path = pathlib.Path(name_or_path)
+    if not path.suffix:
+        path = CONFIG_DIR / f"{name_or_path}.py"
+    if not path.is_file():
+        raise ValueError(f"config {name_or_path!r} not found (looked for {path})")
+    return runpy.run_path(str(path))["get_config"]()
+
+
+def flat_paths(tree: Any) -> dict[str, Any]:
+    """``{'/'-joined path: leaf}`` of an ``nnx.State`` (Variable ``value`` keys dropped) or dict."""
+    if isinstance(tree, nnx.State):
+        tree = nnx.to_pure_dict(tree)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = leaf
+    return out
+
+
+class Trainer:
+    """A plain single-device AdamW loop (``jax.jit``) over the config's corpus.
+
+    The learning rate follows the config's warmup + cosine schedule over ``schedule_steps``;
+    gradients are clipped to the config's global norm.  ``batches(global_batch, step)`` gives
+    training batches of any size (deterministic in ``(seed, step)``), so the replica captures
+    can use a larger batch than the optimizer steps.
+    """
+
+    def __init__(self, config, *, schedule_steps: int | None = None, seed: int | None = None,
+                 data: str | None = None):
+        self.config = config
+        self.model_config = LlamaConfig.from_mapping(config.model)
+        self.seed = int(config.train.seed if seed is None else seed)
+        self.seq_len = int(config.train.seq_len)
+        self.global_batch = int(config.train.global_batch_size)
+        opt = config.optimizer
+        total = int(schedule_steps or config.train.num_steps)
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, opt.learning_rate, opt.warmup_steps, max(total, opt.warmup_steps + 1),
+            end_value=opt.final_learning_rate)
+        chain = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
+        self.tx = optax.chain(*chain, optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                                  weight_decay=opt.weight_decay))
+        model = Llama(self.model_config, rngs=nnx.Rngs(self.seed))
+        self.graphdef, self.params = nnx.split(model)
+        self.opt_state = self.tx.init(self.params)
+        self.step = 0
+        self.losses: list[float] = []
+        self._source = None
+        self._data_spec = data or config.data.source
+        graphdef, tx = self.graphdef, self.tx
+
+        @jax.jit
+        def train_step(params, opt_state, tokens):
+            loss, g = jax.value_and_grad(
+                lambda p: next_token_loss(nnx.merge(graphdef, p), tokens))(params)
+            upd, opt_state = tx.update(g, opt_state, params)
+            return optax.apply_updates(params, upd), opt_state, loss
+
+        self._train_step = train_step
+
+    @property
+    def source(self):
+        if self._source is None:
+            from gift_jax.data import get_source
+
+            self._source = get_source(self._data_spec)
+        return self._source
+
+    def batch(self, global_batch: int, step: int, stream: int = 0) -> np.ndarray:
+        """int32 [global_batch, seq_len + 1] training batch ``step`` of stream ``stream``."""
+        from gift_jax.data import batch_iterator
+
+        it = batch_iterator(self.source, "train", global_batch, self.seq_len,
+                            seed=self.seed + 7919 * stream, start_step=step)
+        return np.asarray(next(it), np.int32)
+
+    def advance(self, steps: int, log_every: int = 0) -> None:
+        """Run ``steps`` optimizer steps on batches of the config's global batch size."""
+        for _ in range(steps):
+            tokens = self.batch(self.global_batch, self.step)
+            self.params, self.opt_state, loss = self._train_step(
+                self.params, self.opt_state, jnp.asarray(tokens))
+            self.step += 1
+            if log_every and self.step % log_every == 0:
+                self.losses.append(float(loss))
+                print(f"  step {self.step}: loss {float(loss):.4f}", flush=True)
+
+
+# ============================================================================================
+# Per-replica gradients and statistics
+# ============================================================================================
+
+_ACTIVE_PROBES: dict[int, jax.Array] = {}
+
+
+@functools.cache
+def _probed_class(cls: type) -> type:
+    """Subclass of a Linear class that adds the active zero probe to its output, so that
+    ``∂loss/∂probe`` is the per-token gradient of the layer output."""
+
+    def __call__(self, inputs, *args, **kwargs):
+        y = cls.__call__(self, inputs, *args, **kwargs)
+        probe = _ACTIVE_PROBES.get(id(self))
+        return y if probe is None else y + probe.astype(y.dtype)
+
+    return type(f"Probed{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def _probed_loss(probes: dict[str, jax.Array], layers: Sequence[str]) -> Callable:
+    def loss_fn(model, tokens):
+        mods = find_linear_layers(model, layers) if probes else {}
+        swapped = []
+        try:
+            for path, mod in mods.items():
+                cls = type(mod)
+                object.__setattr__(mod, "__class__", _probed_class(cls))
+                _ACTIVE_PROBES[id(mod)] = probes[path]
+                swapped.append((mod, cls))
+            return next_token_loss(model, tokens)
+        finally:
+            for mod, cls in swapped:
+                object.__setattr__(mod, "__class__", cls)
+                _ACTIVE_PROBES.pop(id(mod), None)
+
+    return loss_fn
+
+
+class ReplicaCapture(NamedTuple):
+    """Per-replica quantities of one step; paths are kernel paths (``…/kernel``)."""
+
+    loss: jax.Array  # (R,) local losses
+    grads: dict[str, jax.Array]  # path -> (R, n, m) local kernel gradients
+    a: dict[str, jax.Array]  # path -> (R, n, n) local E[x xᵀ]
+    b: dict[str, jax.Array]  # path -> (R, m, m) local E[g gᵀ] (empty without output stats)
+
+
+def make_replica_fn(graphdef, layers: Sequence[str], replicas: int, *,
+                    output_stats: bool = False) -> Callable:
+    """Jitted ``fn(params, tokens[R·b, T+1]) → ReplicaCapture`` (R simulated replicas)."""
+    layers = tuple(layers)
+
+    def local(params, tokens):
+        model0 = nnx.merge(graphdef, params)
+        kshapes = {p: m.kernel[...].shape for p, m in find_linear_layers(model0, layers).items()}
+        b, t = tokens.shape[0], tokens.shape[1] - 1
+        probes = ({p: jnp.zeros((b, t, s[-1]), jnp.float32) for p, s in kshapes.items()}
+                  if output_stats else {})
+
+        def f(params, probes):
+            model = nnx.merge(graphdef, params)
+            return with_input_stats(_probed_loss(probes, layers), layers)(model, tokens)
+
+        (loss, stats), (g, d) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+            params, probes)
+        flat = flat_paths(g)
+        grads = {p: flat[p] for p in kshapes}
+        n_tok = b * t
+        bstats = {p: n_tok * jnp.einsum("ti,tj->ij", x.reshape(-1, x.shape[-1]),
+                                        x.reshape(-1, x.shape[-1]), precision="highest")
+                  for p, x in d.items()}
+        return loss, grads, stats, bstats
+
+    @jax.jit
+    def fn(params, tokens):
+        if tokens.shape[0] % replicas:
+            raise ValueError(f"global batch {tokens.shape[0]} not divisible by R={replicas}")
+        tok = tokens.reshape(replicas, -1, tokens.shape[-1])
+        loss, grads, a, b = jax.vmap(local, in_axes=(None, 0))(params, tok)
+        return ReplicaCapture(loss, grads, a, b)
+
+    return fn
+
+
+def capture_replicas(trainer: Trainer, fn: Callable, global_batch: int,
+                     stream: int = 1) -> ReplicaCapture:
+    """Run ``fn`` (from :func:`make_replica_fn`) on capture batch ``trainer.step``."""
+    tokens = trainer.batch(global_batch, trainer.step, stream=stream)
+    return jax.block_until_ready(fn(trainer.params, jnp.asarray(tokens)))
+
+
+# ============================================================================================
+# Simulated quantized all-reduce
+# ============================================================================================
+
+
+def tensor_scale(x: jax.Array, codec) -> jax.Array:
+    """Per-tensor scale ``amax(x)/fmax`` (1 for zero, NaN for non-finite), as the codec."""
+    codec = get_codec(codec)
+    return leaf_scale_from_amax(abs_max(x.reshape(-1)), codec)
+
+
+def tensor_quantize(x: jax.Array, codec, scale: jax.Array) -> jax.Array:
+    """Decode(encode(x)) with one given fp32 scale for the whole tensor (saturating)."""
+    codec = get_codec(codec)
+    flat = x.astype(jnp.float32).reshape(-1)
+    b = codec.row_size
+    rows = -(-flat.shape[0] // b)
+    padded = jnp.pad(flat, (0, rows * b - flat.shape[0])).reshape(rows, b)
+    leaf = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (rows, 1))
+    payload, wire = encode_rows(padded, codec, leaf)
+    return decode_rows(payload, wire, codec, leaf).reshape(-1)[: flat.shape[0]].reshape(x.shape)
+
+
+class AllReduceResult(NamedTuple):
+    mean: jax.Array  # decoded mean, identical on every replica
+    local_err: jax.Array  # (R, …) x_r − Q(x_r) (error-feedback buffer 1)
+    shard_err: jax.Array  # (…) mean − Q(mean) (error-feedback buffer 2)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "accumulate", "global_scale"))
+def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str = "fp32",
+                       global_scale: bool = False, local_err: jax.Array | None = None,
+                       shard_err: jax.Array | None = None,
+                       scales: jax.Array | None = None) -> AllReduceResult:
+    """Quantized mean over the leading (replica) axis of ``xs`` (R, …); see the module doc.
+
+    ``scales`` (R,) overrides the senders' scales (e.g. stale synced scales); ``local_err`` /
+    ``shard_err`` are the error-feedback buffers of the previous step (or None).
+    """
+    if accumulate not in ("fp32", "fp8"):
+        raise ValueError(f"accumulate must be 'fp32' or 'fp8', got {accumulate!r}")
+    xs = xs.astype(jnp.float32)
+    r = xs.shape[0]
+    if local_err is not None:
+        xs = xs + local_err
+    if scales is None:
+        scales = jax.vmap(lambda x: tensor_scale(x, codec))(xs)
+        if global_scale or accumulate == "fp8":
+            scales = jnp.broadcast_to(jnp.max(scales), (r,))
+    q = jax.vmap(lambda x, s: tensor_quantize(x, codec, s))(xs, scales)
+    if accumulate == "fp32":
+        total = q[0]
+        for i in range(1, r):
+            total = total + q[i]
+    else:  # ring: the running sum travels in the wire format with the shared scale
+        s = scales[0]
+        total = q[0]
+        for i in range(1, r):
+            total = tensor_quantize(total + q[i], codec, s)
+    mean = total / r
+    if shard_err is not None:
+        mean = mean + shard_err
+    s_out = tensor_scale(mean, codec)
+    out = tensor_quantize(mean, codec, s_out)
+    return AllReduceResult(out, xs - q, mean - out)
+
+
+# ============================================================================================
+# Frames (rows of Table I/II)
+# ============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One row: which factor whitens the gradient before the all-reduce."""
+
+    name: str
+    kind: str  # "euclidean" | "output" | "input" | "two_sided"
+    factor: str = "full_cholesky"  # whitening.FACTOR_KINDS for the input side
+    rank: int = 32
+    block_size: int = 128
+
+
+def default_methods(ranks: Iterable[int] = (8, 16, 32, 64),
+                    remainder: str = "diag") -> tuple[Method, ...]:
+    lr = "lowrank_diag" if remainder == "diag" else "lowrank_isotropic"
+    return (
+        Method("Euclidean", "euclidean"),
+        Method("output-side only (full B)", "output"),
+        Method("input-side full A", "input", "full_cholesky"),
+        Method("two-sided full (A⊗B)", "two_sided"),
+        Method("diagonal A", "input", "diag"),
+        Method("block-128 A", "input", "block_diag", block_size=128),
+        *(Method(f"rank-{r} A", "input", lr, rank=r) for r in ranks),
+    )
+
+
+DEFAULT_METHODS = default_methods()
+
+
+def _stack(d: dict[str, jax.Array], paths: Sequence[str]) -> jax.Array:
+    return jnp.stack([d[p] for p in paths])
+
+
+@functools.partial(jax.jit, static_argnames=("method", "damping", "damping_mode"))
+def build_factors(method: Method, a: jax.Array | None, b: jax.Array | None, *,
+                  damping: float = 1e-3, damping_mode: str = "relative") -> Any:
+    """Stacked factor (leading layer axis) of ``method`` from stacked means ``a`` (L, n, n) and
+    ``b`` (L, m, m); ``None`` for the Euclidean frame."""
+    kw = dict(damping=damping, damping_mode=damping_mode)
+
+    def one(mat, kind, rank=32, block=128):
+        return jax.vmap(lambda x: wh.make_factor(x, kind, rank=rank, block_size=block, **kw)[0])(
+            mat)
+
+    if method.kind == "euclidean":
+        return None
+    if method.kind == "output":
+        fb = one(b, "full_cholesky")
+        ident = wh.DiagFactor(jnp.ones(a.shape[:2], jnp.float32))
+        return wh.KroneckerFactor(ident, fb)
+    fa = one(a, method.factor, method.rank, method.block_size)
+    if method.kind == "two_sided":
+        return wh.KroneckerFactor(fa, one(b, "full_cholesky"))
+    return fa
+
+
+@jax.jit
+def _whiten_stack(factor, g):  # factor (L,…), g (L, R, n, m)
+    return jax.vmap(lambda f, x: jax.vmap(lambda y: wh.whiten(f, y))(x))(factor, g)
+
+
+@jax.jit
+def _unwhiten_stack(factor, g):  # g (L, n, m)
+    return jax.vmap(wh.unwhiten)(factor, g)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "accumulate", "global_scale"))
+def _allreduce_stack(xs, codec, accumulate, global_scale, local_err, shard_err):
+    return jax.vmap(lambda x, le, se: simulate_allreduce(
+        x, codec, accumulate, global_scale, le, se))(xs, local_err, shard_err)
+
+
+@jax.jit
+def _layer_metrics(approx, ref, metric_factor):
+    """Per-layer pooled-metric ingredients for stacked (L, n, m) arrays."""
+
+    def one(a, r, f):
+        e = a - r
+        na, nr = adam_normalise(a), adam_normalise(r)
+        we, wr = wh.whiten(f, e), wh.whiten(f, r)
+        # Muon's own orthogonalisation (quintic Newton–Schulz, 5 steps): matmuls only, cheap
+        # on CPU and well defined for any finite input (LAPACK's SVD is slow to run here)
+        pa, pr = polar(a, "newton_schulz"), polar(r, "newton_schulz")
+        return dict(
+            err2=jnp.sum(e * e), ref2=jnp.sum(r * r), dot=jnp.vdot(a, r), app2=jnp.sum(a * a),
+            maxabs=jnp.max(jnp.abs(e)), refmax=jnp.max(jnp.abs(r)),
+            werr2=jnp.sum(we * we), wref2=jnp.sum(wr * wr),
+            aerr2=jnp.sum((na - nr) ** 2), aref2=jnp.sum(nr * nr),
+            muon=jnp.linalg.norm(pa - pr) / jnp.linalg.norm(pr),
+        )
+
+    return jax.vmap(one)(approx, ref, metric_factor)
+
+
+METRICS = ("rel_l2", "cosine", "max_abs", "whitened", "adam", "muon")
+METRIC_TITLES = {
+    "rel_l2": "rel. L2", "cosine": "cosine", "max_abs": "max abs", "whitened": "whitened-frame",
+    "adam": "Adam update", "muon": "Muon update", "cum_rel_l2": "cum. rel. L2 (Σ steps)",
+}
+
+
+def pool(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Pool per-layer ingredients (dicts of (L,) arrays, one per layer stack) into metrics."""
+    cat = {k: np.concatenate([np.asarray(p[k], np.float64) for p in parts]) for k in parts[0]}
+    return {
+        "rel_l2": math.sqrt(cat["err2"].sum() / cat["ref2"].sum()),
+        "cosine": cat["dot"].sum() / math.sqrt(cat["app2"].sum() * cat["ref2"].sum()),
+        "max_abs": float(cat["maxabs"].max()),
+        "whitened": math.sqrt(cat["werr2"].sum() / cat["wref2"].sum()),
+        "adam": math.sqrt(cat["aerr2"].sum() / cat["aref2"].sum()),
+        "muon": float(cat["muon"].mean()),
+    }
+
+
+# ============================================================================================
+# One configuration over consecutive steps
+# ============================================================================================
+
+
+def _shape_groups(paths: Sequence[str], grads: dict[str, jax.Array]) -> list[list[str]]:
+    by: dict[tuple, list[str]] = {}
+    for p in paths:
+        by.setdefault(tuple(grads[p].shape[1:]), []).append(p)
+    return list(by.values())
+
+
+_FACTOR_CACHE: dict[tuple, Any] = {}
+
+
+def _cached_factor(method: Method, cap: ReplicaCapture, grp: Sequence[str], damping: float):
+    """Factors depend on (method, step, layers) only: build them once per experiment."""
+    key = (method, id(cap), tuple(grp), damping)
+    hit = _FACTOR_CACHE.get(key)
+    if hit is not None and hit[0] is cap:
+        return hit[1]
+    a = jnp.mean(_stack(cap.a, grp), axis=1)
+    b = jnp.mean(_stack(cap.b, grp), axis=1) if method.kind in ("output", "two_sided") else None
+    f = build_factors(method, a, b, damping=damping)
+    if len(_FACTOR_CACHE) > 512:
+        _FACTOR_CACHE.clear()
+    _FACTOR_CACHE[key] = (cap, f)
+    return f
+
+
+def evaluate_method(
+    captures: Sequence[ReplicaCapture],
+    paths: Sequence[str],
+    method: Method,
+    *,
+    codec: str = "fp8_e4m3",
+    accumulate: str = "fp32",
+    global_scale: bool = False,
+    error_feedback: bool = False,
+    factor_step: int = 0,
+    damping: float = 1e-3,
+) -> dict[str, Any]:
+    """Metrics of one frame over consecutive captured steps.
+
+    The factor is built from the capture at index ``factor_step`` (a refresh) and reused for
+    every step; the metric frame of each step is the full input-side factor of that step's own
+    ``Ā``.  Returns ``{"steps": [metrics per step], "mean": metrics averaged over steps,
+    "cum_rel_l2": ‖Σ_t(Ĝ_t − G_t)‖/‖Σ_t G_t‖}``.
+    """
+    groups = _shape_groups(paths, captures[0].grads)
+    ref_cap = captures[factor_step]
+    facts = [_cached_factor(method, ref_cap, grp, damping) for grp in groups]
+    metric = Method("metric", "input", "full_cholesky")
+    metric_facts = [[_cached_factor(metric, cap, grp, damping) for grp in groups]
+                    for cap in captures]
+    ef = [None] * len(groups)
+    per_step = []
+    cum_err = [0.0] * len(groups)
+    cum_ref = [0.0] * len(groups)
+    for t, cap in enumerate(captures):
+        parts = []
+        for gi, grp in enumerate(groups):
+            g = _stack(cap.grads, grp)  # (L, R, n, m)
+            x = g if facts[gi] is None else _whiten_stack(facts[gi], g)
+            le, se = ef[gi] if (error_feedback and ef[gi] is not None) else (
+                jnp.zeros_like(x), jnp.zeros_like(x[:, 0]))
+            res = _allreduce_stack(x, codec, accumulate, global_scale, le, se)
+            if error_feedback:
+                ef[gi] = (res.local_err, res.shard_err)
+            approx = res.mean if facts[gi] is None else _unwhiten_stack(facts[gi], res.mean)
+            ref = jnp.mean(g, axis=1)
+            cum_err[gi] = cum_err[gi] + (approx - ref)
+            cum_ref[gi] = cum_ref[gi] + ref
+            parts.append(jax.device_get(_layer_metrics(approx, ref, metric_facts[t][gi])))
+        per_step.append(pool(parts))
+    mean = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+    cum = math.sqrt(sum(float(jnp.sum(e * e)) for e in cum_err)
+                    / sum(float(jnp.sum(r * r)) for r in cum_ref))
+    return {"steps": per_step, "mean": mean, "cum_rel_l2": cum}
+
+
+def group_paths(capture: ReplicaCapture, patterns: Sequence[str]) -> list[str]:
+    from gift_jax.gift import _matches
+
+    return [p for p in capture.grads if any(_matches(p, pat) for pat in patterns)]
+
+
+# ============================================================================================
+# Experiments
+# ============================================================================================
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, str):
+        return x
+    if x != x:
+        return "nan"
+    return f"{x:.4f}" if 0.01 <= abs(x) < 100 else f"{x:.3e}"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
+                   titles: dict[str, str] | None = None) -> str:
+    titles = titles or {}
+    head = "| " + " | ".join(titles.get(c, c) for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(_fmt(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def train_and_capture(
+    config_name: str = "tiny",
+    *,
+    train_steps: int = 200,
+    capture_steps: int = 4,
+    replicas: int = 8,
+    local_batch: int = 2,
+    layers: Sequence[str] = ("*/attn/*_proj", "*/mlp/*_proj"),
+    output_stats: bool = True,
+    seed: int | None = None,
+    log_every: int = 50,
+    schedule_steps: int | None = None,
+    trainer: Trainer | None = None,
+) -> tuple[Trainer, list[ReplicaCapture]]:
+    """Train ``train_steps`` steps, then capture ``capture_steps`` consecutive steps of R
+    replicas (the optimizer keeps stepping with the exact gradient in between)."""
+    if trainer is None:
+        cfg = load_config(config_name)
+        trainer = Trainer(cfg, seed=seed,
+                          schedule_steps=schedule_steps or max(train_steps + capture_steps,
+                                                               cfg.train.num_steps))
+    trainer.advance(train_steps, log_every)
+    fn = make_replica_fn(trainer.graphdef, layers, replicas, output_stats=output_stats)
+    caps = []
+    for i in range(capture_steps):
+        caps.append(capture_replicas(trainer, fn, replicas * local_batch))
+        if i + 1 < capture_steps:
+            trainer.advance(1)
+    return trainer, caps
+
+
+def roundtrip_experiment(
+    captures: Sequence[ReplicaCapture],
+    groups: dict[str, Sequence[str]] | None = None,
+    methods: Sequence[Method] = DEFAULT_METHODS,
+    codecs: Sequence[str] = ("fp8_e4m3", "fp8_e5m2"),
+    accumulations: Sequence[str] = ("fp32", "fp8"),
+    error_feedback: Sequence[bool] = (False, True),
+    damping: float = 1e-3,
+    verbose: bool = True,
+) -> list[dict[str, Any]]:
+    """Every (group, codec, accumulation, error feedback, method) → one result row.
+
+    Rows carry the step-0 metrics (the one-step round trip of Table I/II: no error feedback
+    can act yet) under ``"step0"``, the mean over the captured steps under ``"mean"`` and the
+    cumulative error of the sum over the steps under ``"cum_rel_l2"``.
+    """
+    groups = dict(groups or DEFAULT_GROUPS)
+    rows = []
+    for gname, pats in groups.items():
+        paths = group_paths(captures[0], pats)
+        for codec in codecs:
+            for acc in accumulations:
+                for ef in error_feedback:
+                    if ef and len(captures) < 2:
+                        continue
+                    t0 = time.perf_counter()
+                    for m in methods:
+                        res = evaluate_method(captures, paths, m, codec=codec, accumulate=acc,
+                                              error_feedback=ef, damping=damping)
+                        rows.append(dict(group=gname, codec=codec, accumulate=acc,
+                                         error_feedback=ef, method=m.name, layers=len(paths),
+                                         step0=res["steps"][0], mean=res["mean"],
+                                         cum_rel_l2=res["cum_rel_l2"]))
+                    if verbose:
+                        print(f"  {gname} | {codec} | acc {acc} | EF {ef}: "
+                              f"{time.perf_counter() - t0:.1f}s", flush=True)
+    return rows
+
+
+def staleness_experiment(
+    trainer: Trainer,
+    *,
+    offsets: Sequence[int] = (0, 1, 2, 4, 6, 8, 12, 16, 20, 24, 30, 36, 42, 49, 60, 70, 80,
+                              90, 99),
+    windows: Sequence[int] = (10, 25, 50, 100),
+    replicas: int = 8,
+    local_batch: int = 2,
+    patterns: Sequence[str] = ("*/mlp/down_proj",),
+    methods: Sequence[Method] | None = None,
+    codec: str = "fp8_e4m3",
+    accumulate: str = "fp32",
+    damping: float = 1e-3,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Error vs steps since the factor refresh: the factor is built at the first offset
+    (``trainer.step`` now) and reused at ``step + k``; the same step with a fresh factor is the
+    reference.  ``windows`` K: mean stale error over the offsets ``k < K`` (a refresh every K
+    steps sees k = 0..K−1)."""
+    methods = methods or (Method("Euclidean", "euclidean"),
+                          Method("rank-32 A", "input", "lowrank_diag", rank=32),
+                          Method("input-side full A", "input", "full_cholesky"))
+    fn = make_replica_fn(trainer.graphdef, patterns, replicas)
+    start = trainer.step
+    refresh_cap = None
+    curves = {m.name: {"stale": [], "fresh": []} for m in methods}
+    done = []
+    t0 = time.perf_counter()
+    for k in sorted(set(offsets)):
+        trainer.advance(start + k - trainer.step)
+        cap = capture_replicas(trainer, fn, replicas * local_batch)
+        if refresh_cap is None:
+            refresh_cap = cap
+        paths = group_paths(cap, patterns)
+        for m in methods:
+            stale = evaluate_method([refresh_cap, cap], paths, m, codec=codec,
+                                    accumulate=accumulate, factor_step=0, damping=damping)
+            fresh = evaluate_method([cap], paths, m, codec=codec, accumulate=accumulate,
+                                    damping=damping)
+            curves[m.name]["stale"].append(stale["steps"][1])
+            curves[m.name]["fresh"].append(fresh["steps"][0])
+        done.append(k)
+        if verbose:
+            print(f"  staleness k={k} (step {trainer.step}) "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+    summary = []
+    for m in methods:
+        for kk in windows:
+            idx = [i for i, k in enumerate(done) if k < kk]
+            if not idx:
+                continue
+            row = dict(method=m.name, K=kk, points=len(idx))
+            for metric in ("rel_l2", "whitened", "adam", "muon"):
+                st = np.mean([curves[m.name]["stale"][i][metric] for i in idx])
+                fr = np.mean([curves[m.name]["fresh"][i][metric] for i in idx])
+                row[f"{metric}_stale"], row[f"{metric}_fresh"] = float(st), float(fr)
+            summary.append(row)
+    return {"offsets": done, "curves": curves, "summary": summary, "start_step": start,
+            "codec": codec, "accumulate": accumulate, "layers": len(paths)}
+
+
+# ============================================================================================
+# Reports
+# ============================================================================================
+
+
+def roundtrip_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one-step Table I/II per (group, codec) with fp32 accumulation; then the
+    accumulation × error-feedback summary (mean over steps, plus the cumulative error)."""
+    out = []
+    cols = ["method", *METRICS]
+    keys = sorted({(r["group"], r["codec"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for g, c in keys:
+        for acc in ("fp32", "fp8"):
+            sel = [r for r in rows if r["group"] == g and r["codec"] == c
+                   and r["accumulate"] == acc and not r["error_feedback"]]
+            if not sel:
+                continue
+            out.append(f"\n#### One-step round trip — {g}, {sel[0]['layers']} layers, {c}, "
+                       f"{'fp32 accumulation' if acc == 'fp32' else 'FP8 ring accumulation'}"
+                       "\n")
+            out.append(markdown_table([{"method": r["method"], **r["step0"]} for r in sel],
+                                      cols, METRIC_TITLES))
+    cols2 = ["method", "codec", "accumulate", "error_feedback", "rel_l2", "whitened", "adam",
+             "muon", "cum_rel_l2"]
+    for g in sorted({r["group"] for r in rows}):
+        sel = [dict(method=r["method"], codec=r["codec"], accumulate=r["accumulate"],
+                    error_feedback="on" if r["error_feedback"] else "off", **r["mean"],
+                    cum_rel_l2=r["cum_rel_l2"]) for r in rows if r["group"] == g]
+        out.append(f"\n#### Mean over the captured steps, factor fixed — {g}\n")
+        out.append(markdown_table(sel, cols2, METRIC_TITLES))
+    return "\n".join(out) + "\n"
+
+
+def staleness_markdown(res: dict[str, Any]) -> str:
+    cols = ["method", "K", "points"]
+    for metric in ("rel_l2", "whitened", "adam", "muon"):
+        cols += [f"{metric}_stale", f"{metric}_fresh"]
+    titles = {f"{m}_{s}": f"{METRIC_TITLES[m]} ({s})" for m in ("rel_l2", "whitened", "adam",
+                                                                "muon")
+              for s in ("stale", "fresh")}
+    head = (f"\n#### Staleness — factor from step {res['start_step']} reused for k steps "
+            f"({res['layers']} layers, {res['codec']}, {res['accumulate']} accumulation; "
+            f"mean over the sampled k < K: {res['offsets']})\n")
+    return head + markdown_table(res["summary"], cols, titles) + "\n"
+
+
+def plot_roundtrip(rows: Sequence[dict[str, Any]], path: str, codec: str = "fp8_e4m3") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({r["group"] for r in rows})
+    metrics = ("rel_l2", "whitened", "adam", "muon")
+    fig, axes = plt.subplots(len(groups), len(metrics), figsize=(4 * len(metrics),
+                                                                 3.2 * len(groups)),
+                             squeeze=False)
+    for gi, g in enumerate(groups):
+        sel = [r for r in rows if r["group"] == g and r["codec"] == codec
+               and r["accumulate"] == "fp32" and not r["error_feedback"]]
+        names = [r["method"] for r in sel]
+        for mi, metric in enumerate(metrics):
+            ax = axes[gi][mi]
+            ax.barh(range(len(sel)), [r["step0"][metric] for r in sel])
+            ax.set_yticks(range(len(sel)))
+            ax.set_yticklabels(names if mi == 0 else [""] * len(sel), fontsize=7)
+            ax.invert_yaxis()
+            ax.set_title(f"{METRIC_TITLES[metric]}\n{g}", fontsize=8)
+            ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"One-step round trip, {codec}, fp32 accumulation")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_staleness(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = ("rel_l2", "whitened", "adam")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5))
+    for ax, metric in zip(axes, metrics, strict=True):
+        for name, c in res["curves"].items():
+            line, = ax.plot(res["offsets"], [m[metric] for m in c["stale"]], marker="o", ms=3,
+                            label=f"{name} (stale)")
+            if name != "Euclidean":
+                ax.plot(res["offsets"], [m[metric] for m in c["fresh"]], ls="--",
+                        color=line.get_color(), label=f"{name} (fresh)")
+        ax.set_xlabel("steps since refresh")
+        ax.set_title(METRIC_TITLES[metric])
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Factor staleness ({res['codec']}, {res['accumulate']} accumulation)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
