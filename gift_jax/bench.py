@@ -62,7 +62,8 @@ def wire_table(shapes: dict, mesh, codecs=DEFAULT_CODECS) -> list[dict]:
     return rows
 
 
-def _time(fn, *args, repeats: int) -> float:
+def best_time(fn, *args, repeats: int) -> float:
+    """Best wall time of ``fn(*args)`` over ``repeats`` calls, after one warm-up call."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     best = np.inf
     for _ in range(repeats):
@@ -97,9 +98,9 @@ def quantize_throughput(num_elements: int = 1 << 24, codec: str = "fp8_e4m3",
         return qk.quantize(rows, tensor, jnp.broadcast_to(scale, (rows.shape[0], 1)),
                            backend="xla")[0]
 
-    t_cast = _time(cast, x, repeats=repeats)
-    t_block = _time(per_block, x, repeats=repeats)
-    t_tensor = _time(per_tensor, x, repeats=repeats)
+    t_cast = best_time(cast, x, repeats=repeats)
+    t_block = best_time(per_block, x, repeats=repeats)
+    t_tensor = best_time(per_tensor, x, repeats=repeats)
     gbs = lambda t: 4 * num_elements / t / 1e9  # fp32 bytes read per second
     return {
         "platform": jax.default_backend(), "elements": num_elements, "codec": codec,

@@ -11,27 +11,17 @@ On CPU the kernels run in interpret mode, so the figures say nothing about speed
 import argparse
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gift_jax import codecs as C
+from gift_jax.bench import best_time
 from gift_jax.kernels import quantize as qk
 
 CASES = (("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 128),
          ("mxfp8", None), ("nvfp4", None))
-
-
-def _best(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    best = np.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def check_case(name, block, elements, repeats, interpret):
@@ -62,10 +52,10 @@ def check_case(name, block, elements, repeats, interpret):
     acc_maxdiff = float(jnp.max(jnp.abs(acc - acc_ref)))
     dtype = codec.element_dtype
     cast = jax.jit(lambda a: a.astype(dtype))
-    t_cast = _best(cast, x, repeats=repeats)
-    t_xla = _best(jax.jit(lambda a, s: qk.quantize_reference(a, codec, s)), x, leaf,
+    t_cast = best_time(cast, x, repeats=repeats)
+    t_xla = best_time(jax.jit(lambda a, s: qk.quantize_reference(a, codec, s)), x, leaf,
                   repeats=repeats)
-    t_pallas = _best(kernel, x, leaf, repeats=repeats)
+    t_pallas = best_time(kernel, x, leaf, repeats=repeats)
     nbytes = 4 * x.size
     return {"codec": name, "block_size": block, "quantize_bitwise_equal": equal,
             "accumulate_bitwise_equal": acc_equal, "accumulate_max_abs_diff": acc_maxdiff,

@@ -33,7 +33,6 @@ added FLOPs analytically.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from gift_jax import whitening as wh
+from gift_jax.bench import best_time
 from gift_jax.codecs import get_codec
 from gift_jax.experiments.roundtrip import (
     Trainer,
@@ -265,16 +265,6 @@ def plot_profile(result: dict[int, dict[str, dict[str, float]]], path: str) -> N
 # ============================================================================================
 
 
-def _best_time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def bench_gift_step(
     shapes: dict[str, tuple[int, ...]],
     layers: Sequence[str],
@@ -348,9 +338,9 @@ def bench_gift_step(
     f_r = run(stage, True)
     # a real refresh first, so the ordinary step runs with non-trivial factors
     _, st_g = jax.block_until_ready(f_r(grads, st_g, stats))
-    t_e = _best_time(f_e, grads, st_e, repeats=repeats)
-    t_g = _best_time(f_g, grads, st_g, repeats=repeats)
-    t_r = _best_time(f_r, grads, st_g, stats, repeats=max(1, repeats // 2))
+    t_e = best_time(f_e, grads, st_e, repeats=repeats)
+    t_g = best_time(f_g, grads, st_g, repeats=repeats)
+    t_r = best_time(f_r, grads, st_g, stats, repeats=max(1, repeats // 2))
     del optax
     return {
         "devices": ndev, "platform": jax.default_backend(),
