@@ -32,7 +32,8 @@ compiles a refresh variant and an ordinary variant, and the ordinary one does no
 selected leaf path to its *local* (per-device) mean second moment, shape ``batch + (n, n)``
 (what :func:`gift_jax.capture.with_input_stats` returns); the stage averages it over
 ``axis_name`` (``None`` = single device), folds it into an EMA (the first refresh takes it as
-is), and rebuilds the factors, which are therefore identical on every replica; this step is
+is), and rebuilds the factors (spread over the replicas and all-gathered unless
+``distribute_refresh=False``), which are therefore identical on every replica; this step is
 already whitened with the new factors.  Robustness: a layer whose reduced statistic is
 non-finite keeps its previous EMA and gets the identity factor until the next refresh; a factor
 that comes out non-finite is rebuilt with 100× damping, then replaced by the identity
@@ -66,6 +67,7 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax import whitening as wh
+from gift_jax.batching import map_matrices_grouped
 from gift_jax.comm_stage import allreduce_axis
 
 __all__ = [
@@ -229,6 +231,7 @@ def gift(
     dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
     two_sided: bool = False,
     projected_dim: int | None = None,
+    distribute_refresh: bool = True,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """GIFT: whiten the selected layers' gradients, run ``inner``, unwhiten.
@@ -253,6 +256,10 @@ def gift(
         need ``gift_output_stats={path: batch + (m, m)}`` too.
       projected_dim: k when a PLUMAGE stage before GIFT sends (k × out) projected gradients;
         refreshes then need ``gift_projection={path: batch + (n, k)}``.
+      distribute_refresh: spread a refresh's per-layer factor builds over the replicas of
+        ``axis_name`` (each builds ~1/R of the layers, the factors are all-gathered; see
+        :mod:`gift_jax.batching`) instead of every replica building every factor.  The
+        factors agree either way up to fp32 rounding, and are bit-identical across replicas.
       seed: seed of the (replica-identical) randomized eigensolver.
 
     Returns:
@@ -399,7 +406,7 @@ def gift(
         elif gift_projection is not None:
             raise ValueError("gift: gift_projection given but projected_dim=None")
         key = jax.random.fold_in(jax.random.key(seed), state.refreshes)
-        factors, basis, n_damped, n_ident = {}, {}, state.damped_fallbacks, state.identity_fallbacks
+        jobs = {}
         for path, lay in sel.items():
             b = math.prod(lay.batch_shape)
             keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), b)
@@ -408,10 +415,12 @@ def gift(
             bas = state.basis.get(path)
             if bas is not None:  # first refresh: no previous basis → random start
                 bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
-            f, status, nb = jax.vmap(build, in_axes=(0, 0, 0, 0, 0))(
-                stats[path], out_stats.get(path) if two_sided else None, p, bas,
-                keys if eig_method == "subspace" else None,
-            )
+            jobs[path] = (stats[path], out_stats.get(path) if two_sided else None, p, bas,
+                          keys if eig_method == "subspace" else None)
+        built = map_matrices_grouped(build, jobs, axis_name if distribute_refresh else None)
+        factors, basis, n_damped, n_ident = {}, {}, state.damped_fallbacks, state.identity_fallbacks
+        for path, lay in sel.items():
+            f, status, nb = built[path]
             # non-finite statistics this refresh → identity (Euclidean) for that layer
             f = jax.tree.map(
                 lambda x, i, ok=finite[path]: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)),

@@ -56,6 +56,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gift_jax.batching import map_matrices
+
 __all__ = [
     "BlockDiagFactor",
     "DenseFactor",
@@ -224,7 +226,7 @@ def block_diag_factor(
     ap = ap + jnp.diag(jnp.concatenate([jnp.zeros(n), jnp.ones(pad)]).astype(jnp.float32))
     idx = jnp.arange(nb)
     blocks = ap.reshape(nb, b, nb, b)[idx, :, idx, :]  # (nb, b, b)
-    f = jax.vmap(lambda blk: dense_factor(blk, eps, sqrt))(blocks)
+    f = map_matrices(lambda blk: dense_factor(blk, eps, sqrt), blocks)
     return BlockDiagFactor(w=f.w, w_inv=f.w_inv)
 
 

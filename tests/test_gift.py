@@ -521,3 +521,43 @@ def test_capture_bad_patterns():
         find_linear_layers(model, ["*/attn/q_proj"])
     with pytest.raises(ValueError, match="only nnx.Linear"):
         find_linear_layers(model, ["layers/0/mlp"])
+
+
+@pytest.mark.parametrize("factor", ["lowrank_isotropic", "full_cholesky"])
+def test_distributed_refresh_equals_replicated_and_gathers_factors(factor):
+    """Spreading the factor builds over the 8 replicas (5 layers of equal width in one group:
+    a stacked (3, N, M) leaf and two plain ones) gives the factors of every replica building
+    all of them (up to fp32 rounding: XLA compiles a one-matrix map differently from a
+    five-matrix one), bit-identical across replicas, and the refresh HLO all-gathers them."""
+    params = {"stack": jnp.zeros((3, N, M)), "b": jnp.zeros((N, M)), "c": jnp.zeros((N, 16))}
+    rng = np.random.default_rng(21)
+    stats = {}
+    for name, lead in (("stack", (3,)), ("b", ()), ("c", ())):
+        x = rng.standard_normal((D, *lead, T, N)) * 0.8 ** np.arange(N)
+        stats[name] = jnp.asarray(np.einsum("...ti,...tj->...ij", x, x) / T, jnp.float32)
+    grads = {k: _normal(22, (D, *v.shape)) for k, v in params.items()}
+    dims = {"stack": GiftDimensionNumbers(input_axis=1, output_axis=2)}
+    rep = jax.sharding.NamedSharding(_mesh(), P())
+
+    def run(distribute):
+        tx = gift(PMEAN, layers=["stack", "b", "c"], rank=4, factor=factor, axis_name="data",
+                  dimension_numbers=dims, distribute_refresh=distribute)
+
+        def body(g, st, s):
+            g, s = jax.tree.map(lambda x: x[0], (g, s))
+            out, st = tx.update(g, st, None, gift_stats=s)
+            return jax.tree.map(lambda x: x[None], (out, st.factors))
+
+        fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P("data"), P(), P("data")),
+                                   out_specs=P("data"), check_vma=False))
+        state = jax.jit(tx.init, out_shardings=rep)(params)
+        hlo = fn.lower(grads, state, stats).compile().as_text()
+        return jax.device_get(fn(grads, state, stats)), hlo
+
+    (out_d, fac_d), hlo_d = run(True)
+    (out_r, fac_r), hlo_r = run(False)
+    _assert_replicas_identical((out_d, fac_d))
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, fac_d, fac_r)
+    jax.tree.map(close, out_d, out_r)
+    assert "all-gather" in hlo_d and "all-gather" not in hlo_r

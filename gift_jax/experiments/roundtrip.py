@@ -70,6 +70,7 @@ import optax
 from flax import nnx
 
 from gift_jax import whitening as wh
+from gift_jax.batching import map_matrices
 from gift_jax.capture import find_linear_layers, with_input_stats
 from gift_jax.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
 from gift_jax.fidelity import adam_normalise, polar
@@ -404,8 +405,8 @@ def build_factors(method: Method, a: jax.Array | None, b: jax.Array | None, *,
     kw = dict(damping=damping, damping_mode=damping_mode)
 
     def one(mat, kind, rank=32, block=128):
-        return jax.vmap(lambda x: wh.make_factor(x, kind, rank=rank, block_size=block, **kw)[0])(
-            mat)
+        return map_matrices(
+            lambda x: wh.make_factor(x, kind, rank=rank, block_size=block, **kw)[0], mat)
 
     if method.kind == "euclidean":
         return None

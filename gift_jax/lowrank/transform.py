@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gift_jax.batching import map_matrices
 from gift_jax.lowrank import estimator
 from gift_jax.lowrank.layout import LeafLayout, resolve_layouts
 
@@ -117,6 +118,12 @@ _is_layout = lambda x: x is None or isinstance(x, LeafLayout)
 def _leaf_keys(key: jax.Array, index: int, batch: int) -> jax.Array:
     """Per-leaf, per-batch-element keys: folded by leaf index only (never by device)."""
     return jax.random.split(jax.random.fold_in(key, index), batch)
+
+
+def _left_singular(g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(U, σ) of the thin SVD of one (m, n) matrix."""
+    u, sigma, _ = jnp.linalg.svd(g, full_matrices=False)
+    return u, sigma
 
 
 def _unit_columns(p: jax.Array) -> jax.Array:
@@ -404,7 +411,7 @@ def scale_by_plumage(
                 gm = lay.to_matrix(g).astype(jnp.float32)
                 accept = jnp.all(jnp.isfinite(gm), axis=(1, 2))
                 gm = jnp.where(accept[:, None, None], gm, 0.0)
-                u, sigma, _ = jnp.linalg.svd(gm, full_matrices=False)
+                u, sigma = map_matrices(_left_singular, gm)
                 new_proj, new_probs = _new_projector(leaf_key, lay, u, sigma)
                 if adaptive_refresh is not None:
                     top = u[..., : lay.rank]
