@@ -49,9 +49,10 @@ the factor to whiten R with is MᵀAM.  Build with ``projected_dim=k`` and pass
 with ``gift_stats`` on each refresh; the EMA keeps A (n×n) in the layer's own coordinates and the
 projection is applied when the factor is built, so refresh GIFT whenever the projection changes.
 
-Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals);
-a refresh changes W, so the residual carried across a refresh is in the previous frame (not
-corrected here; its effect has not been measured).
+Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals).
+A refresh changes W, so the stage re-expresses each replica's residual in the new frame,
+``e ← W₂W₁⁻¹e``, and zeroes the shard owners' re-quantization residuals of the whitened rows
+(they cannot be mapped locally); see :func:`_reexpress_residuals`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gift_jax import whitening as wh
@@ -212,6 +214,51 @@ def select_layers(
     return out
 
 
+def _reexpress_residuals(inner_state: Any, updates: Any, sel: Mapping[str, _Layout],
+                         change: Any, spec: Any) -> Any:
+    """Carry the error-feedback residuals of ``inner`` across a refresh (old W → new W).
+
+    The inner all-reduce's buffers hold, for the whitened leaves, errors in the old frame
+    ``W₁·G``.  Each replica's own quantization error ``e`` (``local``, leaf-shaped) is mapped
+    exactly, ``e ← W₂·W₁⁻¹·e`` (``change`` does that per leaf), so the next step sends the
+    error it owes in the coordinates it now uses.  The shard owners' re-quantization errors
+    (``shard``, a row slice of a packed bucket that spans whole input columns of no single
+    leaf) cannot be mapped locally: their rows belonging to whitened leaves are zeroed (one
+    step's re-quantization error of those rows is dropped per refresh); without the inner
+    stage's bucket plan (``spec`` is ``None``: ``inner`` is not a bare
+    :func:`gift_jax.allreduce`) every shard residual is zeroed.
+    """
+    from gift_jax.comm_stage import AllReduceState
+
+    flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+    whitened = [i for i, (p, _) in enumerate(flat) if leaf_path(p) in sel]
+
+    def fix(node):
+        if not isinstance(node, AllReduceState) or node.residuals is None:
+            return node
+        local, shard = node.residuals
+        local = jax.tree.map(lambda x: x[None], change(jax.tree.map(lambda x: x[0], local)))
+        if spec is None:
+            shard = jax.tree.map(jnp.zeros_like, shard)
+        else:
+            buckets, _ = spec.plan(updates)
+            out = []
+            for bucket, res in zip(buckets, shard, strict=True):
+                ids = bucket.row_leaf_ids()
+                keep = np.ones((bucket.rows,), bool)
+                for j, slot in enumerate(bucket.slots):
+                    if slot.leaf in whitened:
+                        keep[ids == j] = False
+                rs = res.shape[1]
+                mine = jax.lax.dynamic_slice_in_dim(
+                    jnp.asarray(keep), jax.lax.axis_index(spec.axis_name) * rs, rs)
+                out.append(jnp.where(mine[None, :, None], res, 0.0))
+            shard = tuple(out)
+        return node._replace(residuals=(local, shard))
+
+    return jax.tree.map(fix, inner_state, is_leaf=lambda x: isinstance(x, AllReduceState))
+
+
 def gift(
     inner: optax.GradientTransformation,
     layers: Sequence[str] = ("*/mlp/down_proj",),
@@ -300,6 +347,9 @@ def gift(
         raise ValueError(f"gift: projected_dim must be None or an int >= 1, got {projected_dim!r}")
     if projected_dim is not None and two_sided:
         raise ValueError("gift: projected_dim and two_sided cannot be combined")
+    inner_spec = getattr(inner.update, "allreduce_spec", None)
+    if inner_spec is not None and inner_spec.intra_axis is not None:
+        inner_spec = None  # hierarchical: no error feedback (see gift_jax.allreduce)
     inner = optax.with_extra_args_support(inner)
     use_basis = eig_method == "subspace" and factor.startswith("lowrank")
 
@@ -469,7 +519,12 @@ def gift(
                     raise ValueError("gift: projected_dim needs params on refresh steps")
             else:
                 sel_stats = sel
+            old_factors = state.factors
             state = refresh(state, sel_stats, gift_stats, gift_output_stats, gift_projection)
+            change = lambda t, old=old_factors, new=state.factors: transform(
+                transform(t, sel, old, wh.unwhiten), sel, new, wh.whiten)
+            state = state._replace(inner_state=_reexpress_residuals(
+                state.inner_state, updates, sel, change, inner_spec))
         elif gift_output_stats is not None or gift_projection is not None:
             raise ValueError("gift: gift_output_stats/gift_projection need gift_stats")
         else:

@@ -561,3 +561,41 @@ def test_distributed_refresh_equals_replicated_and_gathers_factors(factor):
     jax.tree.map(close, fac_d, fac_r)
     jax.tree.map(close, out_d, out_r)
     assert "all-gather" in hlo_d and "all-gather" not in hlo_r
+
+
+def test_error_feedback_residual_reexpressed_across_refresh():
+    """Refresh 1 (factor W₁) leaves each replica a residual e in the W₁ frame; refresh 2 with a
+    very different A and a zero gradient then sends exactly what is owed, mean_r W₁⁻¹e_r (up
+    to its own FP8 rounding), not W₂⁻¹e_r (the old residual read in the new frame)."""
+    tx = gift(allreduce("data", codec="fp8_e4m3", error_feedback=True), rank=N,
+              factor="full_cholesky")
+    g, a1 = _data(30, decay=0.7)
+    _, a2 = _data(31, decay=0.95)
+    params = _params()
+    zeros = jax.tree.map(lambda x: jnp.zeros((D, *x.shape)), params)
+    grads = jax.tree.map(lambda z: z, zeros)
+    grads["layers"]["0"]["mlp"]["down_proj"]["kernel"] = g
+
+    def body(g, st, stats):
+        g, stats = jax.tree.map(lambda x: x[0], (g, stats))
+        st = jax.tree.map(lambda x: x[0], st)
+        out, st = tx.update(g, st, None, gift_stats={KERNEL: stats})
+        return jax.tree.map(lambda x: x[None], (out, st))
+
+    step = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("data"), out_specs=P("data"),
+                                 check_vma=False))
+    init = jax.jit(jax.shard_map(lambda p: jax.tree.map(lambda x: x[None], tx.init(p)),
+                                 mesh=_mesh(), in_specs=P(), out_specs=P("data"),
+                                 check_vma=False))
+    _, st = step(grads, init(params), a1)
+    e = np.asarray(_kernel(st.inner_state.residuals[0]))[:, 0]  # (D, N, M) in the W₁ frame
+    w1 = np.asarray(st.factors[KERNEL].w, np.float64)[0, 0]
+    assert np.abs(e).max() > 0
+    out, st2 = step(zeros, st, a2)
+    got = np.asarray(_kernel(out))[0]
+    owed = np.linalg.solve(w1, e.mean(0))  # mean_r W₁⁻¹ e_r
+    w2 = np.asarray(st2.factors[KERNEL].w, np.float64)[0, 0]
+    stale = np.linalg.solve(w2, e.mean(0))
+    rel = lambda x: np.linalg.norm(x - owed) / np.linalg.norm(owed)
+    assert rel(got) < 0.15, rel(got)
+    assert rel(stale) > 3 * rel(got), (rel(stale), rel(got))
