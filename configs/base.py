@@ -86,6 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
     gift.damping = 1e-3  # floor of the remainder / Tikhonov damping of A
     gift.ema = 0.95  # EMA decay of A across refreshes
     gift.remainder = "diagonal"  # remainder of A beyond rank r: "diagonal" | "isotropic"
+    gift.two_sided = False  # also whiten the output side with B = E[g gᵀ] (two-sided K-FAC)
 
     # ------------------------------------------------------------------ PLUMAGE low-rank gradients
     plumage = config.plumage = ml_collections.ConfigDict()

@@ -12,9 +12,23 @@ Public API (the quantized all-reduce, the foundation of the GIFT and PLUMAGE sta
 * :func:`plumage` / :func:`scale_by_plumage` — PLUMAGE low-rank gradients with Adam moment
   realignment (GaLore and FLORA as projector strategies), :mod:`gift_jax.lowrank`.
 * :mod:`gift_jax.models` — the Flax NNX Llama.
+
+Importing the package limits OpenBLAS to one thread unless ``OPENBLAS_NUM_THREADS`` is set
+(:mod:`gift_jax.cpu_threads`: jaxlib's CPU decompositions otherwise oversubscribe the cores).
 """
 
-from gift_jax.capture import install_capture, remove_capture, with_input_stats
+from gift_jax.cpu_threads import limit_openblas_threads
+
+limit_openblas_threads()
+
+# ruff: noqa: E402  (the limit must precede imports that may load OpenBLAS)
+
+from gift_jax.capture import (
+    install_capture,
+    kfac_value_and_grad,
+    remove_capture,
+    with_input_stats,
+)
 from gift_jax.codecs import CODEC_NAMES, Codec, get_codec, roundtrip
 from gift_jax.collectives import (
     AllReduceSpec,
@@ -75,6 +89,7 @@ __all__ = [
     "inclusion_probabilities",
     "init_on_mesh",
     "install_capture",
+    "kfac_value_and_grad",
     "local_roundtrip",
     "lowrank_estimate",
     "mask_excluding",

@@ -1,4 +1,6 @@
-"""Capture of GIFT's input statistics A = E[x xᵀ] from a Flax NNX model, only when asked.
+"""Capture of GIFT's K-FAC statistics from a Flax NNX model, only when asked: the input side
+A = E[x xᵀ] (:func:`with_input_stats`) and, for two-sided whitening, also the output side
+B = E[g gᵀ] (:func:`kfac_value_and_grad`).
 
 GIFT (arXiv 2607.07494) needs, on refresh steps only, the second moment of the input of each
 selected linear layer, in fp32, flattened over batch and sequence.  This module computes it
@@ -30,13 +32,59 @@ along in the scanned state; if your ``nnx.scan`` routes state with ``nnx.StateAx
 averages the local means over the data axis (equal local batch sizes assumed).  Layers are
 chosen by the same path rule as :func:`gift_jax.gift.gift`: a pattern matches the module path
 (``*/mlp/down_proj``) or the kernel path.
+
+Output side (two-sided K-FAC, ``gift(..., two_sided=True)``).  K-FAC (Martens & Grosse 2015,
+"Optimizing Neural Networks with Kronecker-factored Approximate Curvature", §3) approximates
+the Fisher block of a linear layer ``y = x W`` by ``A ⊗ B`` with ``A = E[x xᵀ]`` and
+``B = E[g gᵀ]``, ``g = ∂ℓ/∂y`` the gradient of the *per-example* loss w.r.t. the layer output;
+for a sequence model the examples are the tokens.  B needs the backward pass, so it cannot be
+read off the forward pass like A; :func:`kfac_value_and_grad` computes the loss, the parameter
+gradients and both statistics in one forward + backward pass::
+
+    refresh = gift_jax.capture.kfac_value_and_grad(loss_fn, ["*/mlp/down_proj"])
+    (loss, (a_stats, b_stats)), grads = refresh(model, batch)    # refresh steps only
+    updates, opt_state = tx.update(grads, opt_state, params, gift_stats=a_stats,
+                                   gift_output_stats=b_stats)
+
+Mechanism: each selected layer's output passes through an identity with a custom VJP,
+``y ↦ tap(y, P)``, where ``P`` is a temporary zero (``lead + (m, m)``, fp32) "probe" variable
+(:class:`GiftOutputProbe`) on the module; the VJP passes the output cotangent ``δ`` through
+unchanged and returns ``Σ_t δ_t δ_tᵀ`` (fp32, tokens flattened over batch and sequence, summed
+over calls) as the cotangent of ``P``, so differentiating w.r.t. the probes as well as the
+parameters yields ``Σ δ δᵀ`` at the cost of one ``(tokens × m)ᵀ(tokens × m)`` product per layer.
+This is the zero-probe trick (add a zero to the output, differentiate w.r.t. it) with the outer
+product taken inside the backward pass: the probe has the kernel's static shape (no per-token
+probe arrays, no shape-discovery pass), it works with an unmodified user model, layers applied
+more than once accumulate like A, and under ``nnx.scan`` the stacked ``(L, m, m)`` probe rides
+along in the scanned state like the input sums (with ``nnx.StateAxes`` send
+:class:`GiftOutputProbe` to axis 0 too) and gets a per-layer ``(L, m, m)`` gradient.
+
+Scaling convention.  With a mean loss ``L = (1/N) Σ_t ℓ_t`` over the N tokens a layer sees, the
+output cotangent is ``δ_t = ∂L/∂y_t = g_t / N`` — O(1/N) — and K-FAC's B uses the per-example
+``g_t = N δ_t``.  We return the *per-token* second moment, the same convention as A (a mean
+over the tokens, O(1) whatever the batch size and sequence length)::
+
+    B = E_t[g_t g_tᵀ] = N · Σ_t δ_t δ_tᵀ        (reduction="mean", the default)
+    B = (1/N) Σ_t δ_t δ_tᵀ                      (reduction="sum": L = Σ_t ℓ_t, δ_t = g_t)
+
+with N the number of rows (tokens) the layer processed (the same count A is divided by).  Each
+replica's local B is then the mean over its tokens, and the GIFT stage's ``pmean`` gives the
+global mean (equal local batch sizes), exactly like A.  Why this matters little and still
+matters: GIFT's whitening is invariant to a scalar scaling ``B → cB`` up to the damping —
+with ``damping_mode="relative"`` (the default: ε = damping·tr(B)/m) the whitener of ``cB`` is
+``c^{-1/2}`` times that of ``B`` and unwhitening multiplies by ``c^{1/2}``, so only the
+all-reduce's per-tensor/per-block scale sees ``c`` (absorbed up to rounding); with an
+*absolute* damping, however, the raw ``Σ_t δ_t δ_tᵀ`` (O(1/N)) would be swamped by ε as the
+batch grows, while the per-token B keeps a batch-size-independent scale.  A masked mean loss
+``Σ_t m_t ℓ_t / Σ_t m_t`` over ``M = Σ m_t ≤ N`` real tokens gives ``(N/M²)·Σ_t m_t² g_t g_tᵀ``,
+a scalar multiple of the mean over the real tokens, harmless under relative damping.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -48,14 +96,18 @@ from gift_jax.gift import _matches
 __all__ = [
     "GiftInputCount",
     "GiftInputSum",
+    "GiftOutputProbe",
     "find_linear_layers",
     "input_stats",
     "install_capture",
+    "kfac_value_and_grad",
+    "output_probes",
     "remove_capture",
     "with_input_stats",
 ]
 
-_SUM, _COUNT = "gift_input_sum", "gift_input_count"
+_SUM, _COUNT, _PROBE = "gift_input_sum", "gift_input_count", "gift_output_probe"
+REDUCTIONS = ("mean", "sum")
 _NODES = "_pytree__nodes"
 
 
@@ -67,9 +119,35 @@ class GiftInputCount(nnx.Variable):
     """Temporary per-layer token count (lead, fp32) while capturing."""
 
 
+class GiftOutputProbe(nnx.Variable):
+    """Temporary per-layer zero (lead + (m, m), fp32) whose cotangent is Σ δ δᵀ of the layer
+    output (see :func:`_output_tap`); present only while capturing the output side."""
+
+
+@jax.custom_vjp
+def _output_tap(y: jax.Array, probe: jax.Array) -> jax.Array:
+    """Identity on ``y``; its VJP sends ``δ`` through and ``Σ_t δ_t δ_tᵀ`` (fp32) to ``probe``."""
+    del probe
+    return y
+
+
+def _output_tap_fwd(y, probe):
+    del probe
+    return y, None
+
+
+def _output_tap_bwd(_, g):
+    d = g.reshape(-1, g.shape[-1]).astype(jnp.float32)
+    return g, jnp.einsum("ti,tj->ij", d, d, precision=jax.lax.Precision.HIGHEST)
+
+
+_output_tap.defvjp(_output_tap_fwd, _output_tap_bwd)
+
+
 @functools.cache
 def _capturing_class(cls: type) -> type:
-    """Subclass of an ``nnx.Linear`` class whose call accumulates Σ x xᵀ (cached, so jit's
+    """Subclass of an ``nnx.Linear`` class whose call accumulates Σ x xᵀ and, when the module
+    holds a :class:`GiftOutputProbe`, taps its output for Σ δ δᵀ (cached, so jit's
     graph-structure cache sees one type)."""
 
     def __call__(self, inputs, *args, **kwargs):
@@ -78,7 +156,9 @@ def _capturing_class(cls: type) -> type:
         xtx = jnp.einsum("ti,tj->ij", x, x, precision=jax.lax.Precision.HIGHEST)
         getattr(self, _SUM)[...] = getattr(self, _SUM)[...] + xtx
         getattr(self, _COUNT)[...] = getattr(self, _COUNT)[...] + x.shape[0]
-        return cls.__call__(self, inputs, *args, **kwargs)
+        y = cls.__call__(self, inputs, *args, **kwargs)
+        probe = vars(self).get(_PROBE)
+        return y if probe is None else _output_tap(y, probe[...])
 
     return type(f"GiftCapturing{cls.__name__}", (cls,), {"__call__": __call__})
 
@@ -117,18 +197,51 @@ def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nn
     return found
 
 
-def install_capture(model: nnx.Module, layers: Sequence[str]) -> dict[str, tuple[Any, type, Any]]:
+def output_probes(model: nnx.Module, layers: Sequence[str]) -> dict[str, jax.Array]:
+    """``{kernel path: zeros(lead + (m, m), fp32)}``: the probes of :func:`install_capture`'s
+    ``output_probes`` (m = the kernel's last axis, lead = its stacked leading axes)."""
+    out = {}
+    for path, module in find_linear_layers(model, layers).items():
+        shape = module.kernel[...].shape
+        out[path] = jnp.zeros(shape[:-2] + (shape[-1], shape[-1]), jnp.float32)
+    return out
+
+
+def install_capture(
+    model: nnx.Module,
+    layers: Sequence[str],
+    *,
+    output_probes: Mapping[str, jax.Array] | None = None,
+) -> dict[str, tuple[Any, type, Any]]:
     """Start capturing: zero the sums and swap the matched modules' class (in place).
 
-    Returns the handle for :func:`input_stats` / :func:`remove_capture`.
+    ``output_probes`` (``{kernel path: lead + (m, m) fp32 zeros}``, e.g. from
+    :func:`output_probes`, keys = the selected kernel paths) also taps each layer's output: the
+    gradient of the loss w.r.t. a probe is ``Σ_t δ_t δ_tᵀ`` of that layer's output cotangents
+    (unscaled; :func:`kfac_value_and_grad` scales it).  Returns the handle for
+    :func:`input_stats` / :func:`remove_capture`.
     """
+    found = find_linear_layers(model, layers)
+    if output_probes is not None and set(output_probes) != set(found):
+        raise ValueError(
+            f"capture: output_probes keys {sorted(output_probes)} do not match the selected "
+            f"layers {sorted(found)}"
+        )
     handle = {}
-    for path, module in find_linear_layers(model, layers).items():
+    for path, module in found.items():
         saved = copy.copy(vars(module).get(_NODES))  # nnx's per-instance attribute registry
         kernel = module.kernel[...]
-        lead, n = kernel.shape[:-2], kernel.shape[-2]
+        lead, n, m = kernel.shape[:-2], kernel.shape[-2], kernel.shape[-1]
         setattr(module, _SUM, GiftInputSum(jnp.zeros(lead + (n, n), jnp.float32)))
         setattr(module, _COUNT, GiftInputCount(jnp.zeros(lead, jnp.float32)))
+        if output_probes is not None:
+            probe = output_probes[path]
+            if tuple(jnp.shape(probe)) != lead + (m, m):
+                raise ValueError(
+                    f"capture: output_probes[{path!r}] has shape {jnp.shape(probe)}, expected "
+                    f"{lead + (m, m)}"
+                )
+            setattr(module, _PROBE, GiftOutputProbe(jnp.asarray(probe, jnp.float32)))
         orig = type(module)
         # bypass nnx's __setattr__: the class is not graph data
         object.__setattr__(module, "__class__", _capturing_class(orig))
@@ -151,6 +264,8 @@ def remove_capture(handle: dict[str, tuple[Any, type, Any]]) -> None:
         object.__setattr__(module, "__class__", orig)
         delattr(module, _SUM)
         delattr(module, _COUNT)
+        if _PROBE in vars(module):
+            delattr(module, _PROBE)
         if saved is not None:
             vars(module)[_NODES] = saved
 
@@ -176,3 +291,60 @@ def with_input_stats(
         return out, stats
 
     return wrapped
+
+
+def kfac_value_and_grad(
+    loss_fn: Callable[..., Any],
+    layers: Sequence[str],
+    *,
+    has_aux: bool = False,
+    reduction: str = "mean",
+    wrt: Any = nnx.Param,
+) -> Callable[..., tuple[tuple[Any, tuple[dict[str, jax.Array], dict[str, jax.Array]]], Any]]:
+    """Refresh-step ``nnx.value_and_grad`` of ``loss_fn`` that also captures both K-FAC factors.
+
+    Returns ``fn(model, *args, **kwargs) → ((out, (input_stats, output_stats)), grads)``:
+
+    * ``out``: what ``loss_fn(model, *args, **kwargs)`` returns (a scalar loss, or
+      ``(loss, aux)`` with ``has_aux=True``);
+    * ``grads``: the gradient of the loss w.r.t. the model's ``wrt`` variables, an
+      ``nnx.State`` equal to ``nnx.grad(loss_fn, wrt=wrt)(model, ...)`` (the probes add zero);
+    * ``input_stats``: ``{kernel path: A = E_t[x_t x_tᵀ]}`` (``lead + (n, n)``, fp32), exactly
+      what :func:`with_input_stats` gives (``gift_stats=``);
+    * ``output_stats``: ``{kernel path: B}`` (``lead + (m, m)``, fp32) with the per-token
+      convention of the module docstring, ``B = E_t[g_t g_tᵀ] = N·Σ_t δ_t δ_tᵀ`` for a mean
+      loss over the layer's N tokens (``reduction="mean"``) or ``(1/N)·Σ_t δ_t δ_tᵀ`` for a sum
+      (``reduction="sum"``), ``δ_t = ∂loss/∂y_t`` (``gift_output_stats=``).
+
+    Keys are the kernel paths of :func:`with_input_stats` (GIFT's selected paths).  Use it on
+    refresh steps only (it differentiates through the output taps; the ordinary step keeps the
+    plain ``nnx.value_and_grad(loss_fn)`` and does no statistics work).  Jit it as you would
+    ``nnx.value_and_grad``.  The model is restored before returning, also on error; layers
+    stacked with ``nnx.vmap`` and applied with ``nnx.scan`` give ``(L, ·, ·)`` statistics.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"capture: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+    def fn(model, *args, **kwargs):
+        probes = output_probes(model, layers)
+
+        def f(m, probes):
+            handle = install_capture(m, layers, output_probes=probes)
+            try:
+                out = loss_fn(m, *args, **kwargs)
+                stats = input_stats(handle)
+                counts = {p: getattr(mod, _COUNT)[...] for p, (mod, _, _) in handle.items()}
+            finally:
+                remove_capture(handle)
+            loss = out[0] if has_aux else out
+            return loss, (out, stats, counts)
+
+        (_, (out, a_stats, counts)), (grads, sums) = nnx.value_and_grad(
+            f, argnums=(nnx.DiffState(0, wrt), 1), has_aux=True)(model, probes)
+        b_stats = {}
+        for path, s in sums.items():
+            c = counts[path][..., None, None]
+            b_stats[path] = s * c if reduction == "mean" else s / jnp.maximum(c, 1.0)
+        return (out, (a_stats, b_stats)), grads
+
+    return fn

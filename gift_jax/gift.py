@@ -300,7 +300,8 @@ def gift(
         started from the previous eigenvectors; ``eig_iters``, ``eig_oversample``).
       dimension_numbers: ``{pattern: GiftDimensionNumbers}`` for non-2-D selected leaves.
       two_sided: also whiten the output side with E[δδᵀ] (K-FAC ablation); refreshes then
-        need ``gift_output_stats={path: batch + (m, m)}`` too.
+        need ``gift_output_stats={path: batch + (m, m)}`` too (both sides come from
+        :func:`gift_jax.capture.kfac_value_and_grad`).
       projected_dim: k when a PLUMAGE stage before GIFT sends (k × out) projected gradients;
         refreshes then need ``gift_projection={path: batch + (n, k)}``.
       distribute_refresh: spread a refresh's per-layer factor builds over the replicas of

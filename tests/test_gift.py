@@ -389,57 +389,9 @@ def test_converges_with_sgd_through_the_fp8_stage():
 # ------------------------------------------------------------------------------------------
 
 from flax import nnx  # noqa: E402
+from nnx_toys import DF, DM, NL, ListModel, ScanModel  # noqa: E402
 
 from gift_jax.capture import find_linear_layers, with_input_stats  # noqa: E402
-
-DM, DF, NL = 8, 24, 3  # d_model, d_ff (the only 24: its 24×24 dot is the statistic), layers
-
-
-class _MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.up_proj = nnx.Linear(DM, DF, rngs=rngs)
-        self.down_proj = nnx.Linear(DF, DM, rngs=rngs)
-
-    def hidden(self, x):
-        return jax.nn.relu(self.up_proj(x))
-
-    def __call__(self, x):
-        return self.down_proj(self.hidden(x))
-
-
-class _Block(nnx.Module):
-    def __init__(self, rngs):
-        self.mlp = _MLP(rngs)
-
-    def __call__(self, x):
-        return x + self.mlp(x)
-
-
-class _ListModel(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List([_Block(rngs) for _ in range(2)])
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class _ScanModel(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=NL)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make(rngs):
-            return _Block(rngs)
-
-        self.layers = make(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, layer):
-            return layer(x)
-
-        return body(x, self.layers)
 
 
 def _loss(model, x):
@@ -461,7 +413,7 @@ def _second_moment(h):
 
 
 def test_capture_list_model_matches_manual_and_restores_model():
-    model = _ListModel(nnx.Rngs(0))
+    model = ListModel(nnx.Rngs(0))
     before = nnx.graphdef(model)
     refresh_loss = with_input_stats(_loss, ["*/mlp/down_proj"])
     step = nnx.jit(lambda m, x: nnx.value_and_grad(refresh_loss, has_aux=True)(m, x))
@@ -488,7 +440,7 @@ def test_capture_list_model_matches_manual_and_restores_model():
 
 
 def test_capture_scan_stacked_layers_and_no_statistics_in_plain_variant():
-    model = _ScanModel(nnx.Rngs(1))
+    model = ScanModel(nnx.Rngs(1))
     refresh_loss = with_input_stats(_loss, ["layers/mlp/down_proj"])
     (loss, stats), grads = nnx.jit(nnx.value_and_grad(refresh_loss, has_aux=True))(model, _X)
     a = stats["layers/mlp/down_proj/kernel"]
@@ -516,7 +468,7 @@ def test_capture_scan_stacked_layers_and_no_statistics_in_plain_variant():
 
 
 def test_capture_bad_patterns():
-    model = _ListModel(nnx.Rngs(0))
+    model = ListModel(nnx.Rngs(0))
     with pytest.raises(ValueError, match="match no"):
         find_linear_layers(model, ["*/attn/q_proj"])
     with pytest.raises(ValueError, match="only nnx.Linear"):

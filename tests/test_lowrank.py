@@ -480,11 +480,13 @@ def _pmean_stage():
     )
 
 
-def _dp_setup():
+def _dp_setup(params=None, **kwargs):
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
     rng = np.random.default_rng(40)
-    params = {"w": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32), "b": jnp.zeros((16,))}
-    opt = scale_by_plumage(4, 2, resample_every=3, communicate=_pmean_stage())
+    if params is None:
+        params = {"w": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),
+                  "b": jnp.zeros((16,))}
+    opt = scale_by_plumage(4, 2, communicate=_pmean_stage(), **{"resample_every": 3, **kwargs})
 
     def per_device(refresh, params, state, g):
         g = jax.tree.map(lambda x: x[0], g)
@@ -543,6 +545,36 @@ def test_communicate_replicas_bit_identical_and_projected_collectives_only():
     # Ordinary steps: only the projected k×n coordinates of w and the dense bias.
     assert 4 * 16 in ordinary_sizes and set(ordinary_sizes) <= {4 * 16, 16}
     assert 32 * 16 in refresh_sizes or 32 * 16 + 16 in refresh_sizes
+
+
+def test_refresh_svds_spread_over_replicas_match_replicated():
+    """axis_name='data': each replica decomposes ~1/8 of the 5 equal-shape layers (a stacked
+    (3, 32, 16) leaf and two plain ones) and all-gathers; same projections as every replica
+    computing every SVD (up to fp32 rounding), bit-identical across replicas."""
+    rng = np.random.default_rng(41)
+    params = {"stack": jnp.asarray(rng.normal(size=(3, 32, 16)), jnp.float32),
+              "a": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32),
+              "c": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)}
+    dims = {"stack": LowRankDimensionNumbers(1, 2), "a": None, "c": None}
+    results = {}
+    for axis in (None, "data"):
+        opt, _, grads, make = _dp_setup(
+            params, axis_name=axis, strategy="galore", weight_dimension_numbers=dims,
+            resample_every=None)
+        state = opt.init(params)
+        step = make(True)
+        _, s_all = step(params, state, grads)
+        for leaf in jax.tree.leaves(s_all):
+            assert np.array_equal(np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape))
+        results[axis] = (jax.tree.map(lambda x: np.asarray(x[0]), s_all.projector),
+                         step.lower(params, state, grads).compile().as_text())
+    for a, b in zip(jax.tree.leaves(results[None][0]), jax.tree.leaves(results["data"][0]),
+                    strict=True):
+        # singular vectors are defined up to sign: compare the projections P Pᵀ
+        pa, pb = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+        np.testing.assert_allclose(pa @ pa.transpose(0, 2, 1), pb @ pb.transpose(0, 2, 1),
+                                   atol=1e-4)
+    assert "all-gather" in results["data"][1] and "all-gather" not in results[None][1]
 
 
 def test_communicate_routing_state_slots_and_extra_kwargs():

@@ -347,3 +347,103 @@ def test_two_processes_match_one_process(tmp_path):
 
 if _WORKER:
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+# ---- PLUMAGE + GIFT, and PLUMAGE that projects nothing ---------------------------------------
+
+
+def test_plumage_with_gift_whitening_runs_replica_identical():
+    config = small_config("plumage", "adamw", **{"plumage.gift": True,
+                                                 "comm.error_feedback": True,
+                                                 "gift.layers": ("*/mlp/down_proj",)})
+    result = run(config, stop_after=4)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert result.step == 4 and all(np.isfinite(losses))
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    gifts = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, gj.GiftState)) if isinstance(s, gj.GiftState)]
+    assert len(gifts) == 1 and int(gifts[0].refreshes) == 2  # PLUMAGE refreshes at 0 and 2
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"plumage.gift": "yes"}, r"plumage\.gift='yes' must be a bool"),
+     ({"plumage.gift": True, "gift.two_sided": True},
+      r"gift\.two_sided=True cannot be combined with plumage\.gift=True"),
+     ({"plumage.gift": True, "gift.remainder": "full"},
+      r"gift\.remainder='full' is not supported")],
+)
+def test_plumage_gift_bad_settings_name_the_setting(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(small_config("plumage", "adamw", **overrides), 8)
+
+
+def test_plumage_warns_once_when_no_leaf_is_projected(caplog):
+    params = {"layers": {"0": {"mlp": {"down_proj": {"kernel": jnp.zeros((64, 32))}},
+                               "attn": {"q_proj": {"kernel": jnp.zeros((32, 48))}}}},
+              "embed": {"embedding": jnp.zeros((50, 32))}}
+    warnings = lambda: [r.getMessage() for r in caplog.records
+                        if "projects NO parameter" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="gift_jax.training"):
+        tx = build_optimizer(small_config("plumage", "adamw", **{"plumage.rank": 32}),
+                             ("data",)).tx
+        jax.eval_shape(tx.init, params)
+        jax.eval_shape(tx.init, params)
+        assert len(warnings()) == 1
+        assert "plumage.rank=32" in warnings()[0] and "smallest: 32" in warnings()[0]
+        caplog.clear()
+        jax.eval_shape(build_optimizer(small_config("plumage", "adamw"), ("data",)).tx.init,
+                       params)  # rank 4 projects both kernels
+        assert not warnings()
+
+
+def test_checkpoint_predating_a_setting_resumes_only_at_its_default():
+    from gift_jax.training.config import config_differences, to_json
+
+    config = complete_config(runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]())
+    old = json.loads(to_json(config))
+    del old["gift.two_sided"]  # a checkpoint written before the setting existed
+    assert config_differences(json.dumps(old), config) == []
+    changed = apply_overrides(config, [("gift.two_sided", "true")])
+    assert config_differences(json.dumps(old), changed) == [
+        "gift.two_sided: <absent> (checkpoint) != True (now)"]
+
+
+def test_trainer_two_sided_gift_replicas_identical():
+    """gift.two_sided: the refresh variant captures A and B (gift_jax.capture.
+    kfac_value_and_grad, also under gradient accumulation) and GIFT whitens both sides."""
+    from gift_jax.gift import GiftState
+
+    config = small_config("gift_fp8", **{
+        "train.grad_accum_steps": 2, "gift.two_sided": True,
+        "gift.layers": ("*/mlp/down_proj", "*/attn/o_proj")})
+    result = run(config, stop_after=3)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert result.step == 3 and all(np.isfinite(losses))
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, GiftState)) if isinstance(s, GiftState)]
+    assert int(gs.refreshes) == 2 and int(gs.identity_fallbacks) == 0  # steps 0 and 2
+    assert sorted(gs.out_stats) == ["layers/0/attn/o_proj/kernel",
+                                    "layers/0/mlp/down_proj/kernel"]
+    for b in gs.out_stats.values():
+        assert b.shape == (1, 32, 32) and float(jnp.trace(b[0])) > 0
+    with pytest.raises(ConfigError, match=r"gift\.two_sided='yes' must be a bool"):
+        validate_config(small_config("gift_fp8", **{"gift.two_sided": "yes"}), 8)
+
+
+def test_step_times_interleaved_rows():
+    """gift_jax.training.timing (scripts/bench_step.py): one row per config, refresh times only
+    for configs with a refresh variant, all positive."""
+    from gift_jax.training.timing import step_times
+
+    configs = {"fp8": small_config("fp8"), "gift_fp8": small_config("gift_fp8")}
+    rows = step_times(configs, make_mesh(), repeats=2, refresh_repeats=1, compiler_options=FAST)
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"fp8", "gift_fp8"}
+    assert by["fp8"]["refresh_best"] is None and by["gift_fp8"]["refresh_every"] == 2
+    for r in rows:
+        assert 0 < r["ordinary_best"] <= r["ordinary_median"]
+    assert by["gift_fp8"]["refresh_best"] > 0

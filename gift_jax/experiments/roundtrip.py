@@ -71,7 +71,7 @@ from flax import nnx
 
 from gift_jax import whitening as wh
 from gift_jax.batching import map_matrices
-from gift_jax.capture import find_linear_layers, with_input_stats
+from gift_jax.capture import find_linear_layers, kfac_value_and_grad, with_input_stats
 from gift_jax.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
 from gift_jax.fidelity import adam_normalise, polar
 from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
@@ -205,41 +205,6 @@ class Trainer:
 # Per-replica gradients and statistics
 # ============================================================================================
 
-_ACTIVE_PROBES: dict[int, jax.Array] = {}
-
-
-@functools.cache
-def _probed_class(cls: type) -> type:
-    """Subclass of a Linear class that adds the active zero probe to its output, so that
-    ``∂loss/∂probe`` is the per-token gradient of the layer output."""
-
-    def __call__(self, inputs, *args, **kwargs):
-        y = cls.__call__(self, inputs, *args, **kwargs)
-        probe = _ACTIVE_PROBES.get(id(self))
-        return y if probe is None else y + probe.astype(y.dtype)
-
-    return type(f"Probed{cls.__name__}", (cls,), {"__call__": __call__})
-
-
-def _probed_loss(probes: dict[str, jax.Array], layers: Sequence[str]) -> Callable:
-    def loss_fn(model, tokens):
-        mods = find_linear_layers(model, layers) if probes else {}
-        swapped = []
-        try:
-            for path, mod in mods.items():
-                cls = type(mod)
-                object.__setattr__(mod, "__class__", _probed_class(cls))
-                _ACTIVE_PROBES[id(mod)] = probes[path]
-                swapped.append((mod, cls))
-            return next_token_loss(model, tokens)
-        finally:
-            for mod, cls in swapped:
-                object.__setattr__(mod, "__class__", cls)
-                _ACTIVE_PROBES.pop(id(mod), None)
-
-    return loss_fn
-
-
 class ReplicaCapture(NamedTuple):
     """Per-replica quantities of one step; paths are kernel paths (``…/kernel``)."""
 
@@ -251,28 +216,26 @@ class ReplicaCapture(NamedTuple):
 
 def make_replica_fn(graphdef, layers: Sequence[str], replicas: int, *,
                     output_stats: bool = False) -> Callable:
-    """Jitted ``fn(params, tokens[R·b, T+1]) → ReplicaCapture`` (R simulated replicas)."""
+    """Jitted ``fn(params, tokens[R·b, T+1]) → ReplicaCapture`` (R simulated replicas).
+
+    Per replica: ``A_r`` from :func:`gift_jax.capture.with_input_stats`; with ``output_stats``
+    both sides from :func:`gift_jax.capture.kfac_value_and_grad` in one backward pass, ``B_r``
+    the per-token ``N·Σ_t δ_t δ_tᵀ`` of the local mean loss over its N = b·T tokens."""
     layers = tuple(layers)
 
     def local(params, tokens):
-        model0 = nnx.merge(graphdef, params)
-        kshapes = {p: m.kernel[...].shape for p, m in find_linear_layers(model0, layers).items()}
-        b, t = tokens.shape[0], tokens.shape[1] - 1
-        probes = ({p: jnp.zeros((b, t, s[-1]), jnp.float32) for p, s in kshapes.items()}
-                  if output_stats else {})
-
-        def f(params, probes):
-            model = nnx.merge(graphdef, params)
-            return with_input_stats(_probed_loss(probes, layers), layers)(model, tokens)
-
-        (loss, stats), (g, d) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
-            params, probes)
+        model = nnx.merge(graphdef, params)
+        paths = list(find_linear_layers(model, layers))
+        if output_stats:
+            (loss, (stats, bstats)), g = kfac_value_and_grad(next_token_loss, layers)(
+                model, tokens)
+        else:
+            fn = with_input_stats(next_token_loss, layers)
+            (loss, stats), g = jax.value_and_grad(
+                lambda p: fn(nnx.merge(graphdef, p), tokens), has_aux=True)(params)
+            bstats = {}
         flat = flat_paths(g)
-        grads = {p: flat[p] for p in kshapes}
-        n_tok = b * t
-        bstats = {p: n_tok * jnp.einsum("ti,tj->ij", x.reshape(-1, x.shape[-1]),
-                                        x.reshape(-1, x.shape[-1]), precision="highest")
-                  for p, x in d.items()}
+        grads = {p: flat[p] for p in paths}
         return loss, grads, stats, bstats
 
     @jax.jit
@@ -573,6 +536,8 @@ def group_paths(capture: ReplicaCapture, patterns: Sequence[str]) -> list[str]:
 def _fmt(x: float) -> str:
     if isinstance(x, str):
         return x
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) >= 1):
+        return str(int(x))
     if x != x:
         return "nan"
     return f"{x:.4f}" if 0.01 <= abs(x) < 100 else f"{x:.3e}"

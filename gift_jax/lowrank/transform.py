@@ -26,7 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gift_jax.batching import map_matrices
+from gift_jax.batching import map_matrices_grouped
+from gift_jax.comm_stage import AllReduceState, allreduce_axis
+from gift_jax.gift import GiftState
+from gift_jax.gift import leaf_path as _path_of
 from gift_jax.lowrank import estimator
 from gift_jax.lowrank.layout import LeafLayout, resolve_layouts
 
@@ -36,6 +39,7 @@ __all__ = [
     "find_plumage_state",
     "plumage",
     "refresh_due",
+    "reset_error_feedback",
     "scale_by_plumage",
 ]
 
@@ -131,6 +135,92 @@ def _unit_columns(p: jax.Array) -> jax.Array:
     return p / jnp.where(norm > 0, norm, 1.0)
 
 
+# ------------------------------------------------------------- communication helpers
+
+
+def reset_error_feedback(comm_state: Any, changed: jax.Array | bool | None = None) -> Any:
+    """Zero the error-feedback residuals of every :class:`gift_jax.AllReduceState` in a
+    communication state (found anywhere: inside ``optax.chain``, GIFT's ``inner_state``, …).
+
+    The residuals of the projected communication hold ``e``, the part of the coordinates
+    ``R = D⁻¹PᵀG`` that previous steps failed to send, in the coordinates of the projector
+    ``P₁`` that made them. After a change to ``P₂`` adding ``e`` to ``R₂`` would apply
+    ``P₂·D₂·e`` instead of ``P₁·D₁·e`` — an error in the wrong directions — so they are
+    dropped. ``changed``: ``None`` (always; a static refresh step) or a replicated bool
+    (a change decided under ``lax.cond``; the buffers are kept where it is False).
+    """
+
+    def fix(node):
+        if not isinstance(node, AllReduceState) or node.residuals is None:
+            return node
+        if changed is None:
+            zero = jnp.zeros_like
+        else:
+            zero = lambda r: jnp.where(changed, jnp.zeros_like(r), r)
+        return node._replace(residuals=jax.tree.map(zero, node.residuals))
+
+    return jax.tree.map(fix, comm_state, is_leaf=lambda x: isinstance(x, AllReduceState))
+
+
+def _gift_states(comm_state: Any) -> list[GiftState]:
+    found = jax.tree.leaves(comm_state, is_leaf=lambda x: isinstance(x, GiftState))
+    return [s for s in found if isinstance(s, GiftState)]
+
+
+def _gift_paths(comm_state: Any) -> tuple[str, ...]:
+    """Param paths of the layers a GIFT stage inside ``communicate`` whitens (static)."""
+    return tuple(sorted({p for s in _gift_states(comm_state) for p in s.stats}))
+
+
+def _by_path(tree: Any, layouts: Any) -> dict[str, tuple[Any, LeafLayout | None]]:
+    """``{param path: (leaf, layout)}`` with GIFT's path convention."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    lays = treedef.flatten_up_to(layouts)
+    return {_path_of(p): (x, lay) for (p, x), lay in zip(flat, lays, strict=True)}
+
+
+def _check_gift_layers(paths: tuple[str, ...], by_path: dict) -> None:
+    """GIFT (input-side whitening with ``projected_dim=k``) can only act on leaves whose
+    PLUMAGE-projected side is the input side: a (k × out) coordinate block ``R = MᵀG``."""
+    for path in paths:
+        x, lay = by_path[path]
+        shape = tuple(jnp.shape(x))
+        if lay is None:
+            raise ValueError(
+                f"scale_by_plumage: GIFT layer {path!r} (shape {shape}) is not projected by "
+                "PLUMAGE (masked out, not a matrix, or rank >= its smaller side), so it is "
+                "communicated full-width; remove it from GIFT's layers"
+            )
+        if lay.side != "reduction":
+            raise ValueError(
+                f"scale_by_plumage: PLUMAGE projects the output side of GIFT layer {path!r} "
+                f"(shape {shape}, in < out); GIFT whitens the input side, so only layers whose "
+                "input side is the projected (larger) one can be whitened (e.g. down_proj)"
+            )
+        if lay.batched:
+            raise ValueError(
+                f"scale_by_plumage: GIFT layer {path!r} (shape {shape}) has batch axes; "
+                "PLUMAGE + GIFT supports plain (in × out) kernels only"
+            )
+
+
+def _size_gift_stats(comm_state: Any, by_path: dict) -> Any:
+    """GIFT's EMA of ``A = E[xxᵀ]`` lives in the layer's own input coordinates (``n × n``,
+    the projection ``M`` is applied when the factor is built), but ``communicate.init`` only
+    sees the ``(k, N)`` coordinates, so its statistics come out ``k × k``: resize them."""
+
+    def fix(node):
+        if not isinstance(node, GiftState):
+            return node
+        stats = {}
+        for path, a in node.stats.items():
+            n = by_path[path][1].m
+            stats[path] = jnp.zeros((a.shape[0], n, n), a.dtype)
+        return node._replace(stats=stats)
+
+    return jax.tree.map(fix, comm_state, is_leaf=lambda x: isinstance(x, GiftState))
+
+
 def _validate(
     rank, refresh_every, resample_every, strategy, scaling, b1, b2, adaptive, communicate
 ):
@@ -196,6 +286,9 @@ def scale_by_plumage(
     mask: Any = None,
     adaptive_refresh: AdaptiveRefresh | None = None,
     communicate: optax.GradientTransformation | None = None,
+    axis_name: Any = None,
+    communicate_refresh: optax.GradientTransformation | None = None,
+    distribute_refresh: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Low-rank projected Adam (PLUMAGE, GaLore or FLORA projector); no learning rate.
 
@@ -237,8 +330,39 @@ def scale_by_plumage(
     depend on the gradient, but its refresh steps still reduce the full tree so that every
     strategy has the same step structure.
     ``communicate`` requires the static ``plumage_refresh`` (collectives of different shapes
-    cannot share one ``lax.cond``). Extra keyword args other than ``plumage_refresh`` are
-    passed to ``communicate.update``.
+    cannot share one ``lax.cond``). Extra keyword args other than ``plumage_refresh`` (and
+    ``gift_stats``, see below) are passed to ``communicate.update``. ``communicate_refresh``
+    (default: ``communicate``) reduces the full gradient on refresh steps instead.
+
+    Error feedback across projection changes: the error-feedback buffers of the projected
+    communication (every :class:`gift_jax.AllReduceState` in ``comm_state``) hold the
+    unsent part ``e`` of ``R₁ = D₁⁻¹P₁ᵀG`` in the old coordinates; carried into ``R₂`` it
+    would apply ``P₂D₂e`` instead of ``P₁D₁e``. They are therefore zeroed on every refresh
+    step (statically) and on every κ-resample (``jnp.where`` on the ``lax.cond`` flag), so
+    at most one step's quantization error of the communicated ``(k, N)`` tree (and of the
+    dense leaves sharing its buckets) is dropped per projection change; between changes
+    error feedback works as usual. Not flushed into the full gradient of the refresh step:
+    ``e`` would map to ``P₁D₁e`` (``P₁e`` for ``"after_moments"``) only for the replica's own
+    leaf-shaped residual; the shard owner's re-quantization residual is packed per bucket
+    (rows of several leaves, one shard per replica), and inside GIFT both are in whitened
+    coordinates ``W·R``. A refresh resets even when a leaf's refresh was skipped for a
+    non-finite gradient (such a step is normally skipped as a whole by the trainer).
+
+    GIFT composition: ``communicate`` may contain ``gift_jax.gift(inner, layers,
+    projected_dim=k)``, which whitens a coordinate block ``R = MᵀG`` (``M = P·D⁻¹``, ``n × k``,
+    or ``M = P`` for ``"after_moments"``) with the factor of ``MᵀAM``, ``A = E[xxᵀ]`` of the
+    layer input. Its layers must be projected by PLUMAGE on their input side (Flax kernels
+    are ``(in, out)``: ``down_proj``'s ``d_ff`` side, not ``up_proj``'s) as plain 2-D
+    kernels (``ValueError`` naming the layer otherwise), and ``communicate_refresh`` must be
+    given (a GIFT stage with ``projected_dim`` cannot reduce full-width gradients). Refresh
+    steps then need ``gift_stats={path: A}`` (local means, as
+    :func:`gift_jax.capture.with_input_stats` returns) and ``params``; after the new
+    projection is installed, ``communicate`` is called once on zero coordinates with
+    ``gift_stats`` and ``gift_projection={path: M}`` so that GIFT rebuilds its factors for the
+    new ``M``; with the residuals just zeroed this sends exact zeros (one ``(k, N)``
+    collective plus GIFT's statistics ``pmean``) and its output is discarded. κ-resampling
+    changes ``M`` without new statistics: the whitening stays exact (``W⁻¹W = I``) but uses
+    the previous ``M``'s factor until the next refresh.
 
     Args:
       rank: projection rank ``k``; an int, or a pytree of ints / callable (per-leaf rank).
@@ -262,6 +386,16 @@ def scale_by_plumage(
         :func:`mask_excluding` ``("embed", "head")``).
       adaptive_refresh: optional :class:`AdaptiveRefresh` rule for τ.
       communicate: optional cross-replica reduction stage (see above).
+      axis_name: the data-parallel axis (or tuple) of ``communicate``.  On refresh steps
+        with ``communicate`` the reduced gradient is identical on every replica, so the
+        per-layer SVDs are spread over this axis (each replica decomposes ~1/R of the
+        layers, the factors are all-gathered: :func:`gift_jax.batching.map_matrices_grouped`)
+        instead of every replica computing every SVD.  ``None``: the axis of the refresh
+        stage when it is a :func:`gift_jax.allreduce` stage, else no spreading.
+      distribute_refresh: ``False`` turns the spreading off (every replica computes every
+        SVD; for measuring the difference).
+      communicate_refresh: the stage that reduces the full gradient on refresh steps
+        (default ``communicate``); required when ``communicate`` contains a GIFT stage.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`PlumageState`.
@@ -278,6 +412,20 @@ def scale_by_plumage(
         communicate,
     )
     comm = None if communicate is None else optax.with_extra_args_support(communicate)
+    if communicate_refresh is not None:
+        if communicate is None:
+            raise ValueError("communicate_refresh needs communicate (the projected stage)")
+        if not isinstance(communicate_refresh, optax.GradientTransformation):
+            raise TypeError(
+                "communicate_refresh must be an optax.GradientTransformation or None, got "
+                f"{communicate_refresh!r}"
+            )
+    full_stage = communicate if communicate_refresh is None else communicate_refresh
+    comm_refresh = None if comm is None else optax.with_extra_args_support(full_stage)
+    if axis_name is None and communicate is not None:
+        axis_name = allreduce_axis(full_stage)
+    if not distribute_refresh:
+        axis_name = None
     keep_basis = resample_every is not None and strategy == "plumage"
     scale_before = unbiased_scaling == "before_moments"
 
@@ -287,6 +435,80 @@ def scale_by_plumage(
     def _flat(tree, layouts):
         leaves, treedef = jax.tree.flatten(tree)
         return leaves, treedef.flatten_up_to(layouts), treedef
+
+    # -------------------------------------------------------------------- communication
+    def _init_projected_comm(coords, params, layouts):
+        """``communicate``'s state for the ``(k, N)`` coordinate tree (GIFT checked/sized)."""
+        comm_state = comm.init(coords)
+        paths = _gift_paths(comm_state)
+        if not paths:
+            return comm_state
+        if communicate_refresh is None:
+            raise ValueError(
+                "scale_by_plumage: communicate contains a GIFT stage (projected_dim=k), which "
+                "cannot reduce the full-width gradients of refresh steps; pass "
+                "communicate_refresh= (e.g. the plain all-reduce chain)"
+            )
+        by_path = _by_path(params, layouts)
+        _check_gift_layers(paths, by_path)
+        return _size_gift_stats(comm_state, by_path)
+
+    def _zero_coords(updates, layouts):
+        """Zeros shaped like the tree ``communicate`` sees: ``(k, N)`` coordinates, dense
+        leaves as they are."""
+        leaves, lays, treedef = _flat(updates, layouts)
+        return jax.tree.unflatten(treedef, [
+            jnp.zeros_like(x) if lay is None else jnp.zeros(lay.coord_shape, jnp.float32)
+            for x, lay in zip(leaves, lays, strict=True)
+        ])
+
+    def _pop_gift_stats(comm_state, plumage_refresh, params, extra_args):
+        """``gift_stats`` for a GIFT stage in ``communicate``: required (with ``params``) on
+        refresh steps (its factor ``MᵀAM`` must follow the new ``M``), refused otherwise."""
+        if comm is None or not _gift_paths(comm_state):
+            return None
+        stats = extra_args.pop("gift_stats", None)
+        if plumage_refresh and stats is None:
+            raise ValueError(
+                "scale_by_plumage: communicate contains a GIFT stage; refresh steps "
+                "(plumage_refresh=True) need gift_stats={path: E[xxᵀ]} of its layers"
+            )
+        if not plumage_refresh and stats is not None:
+            raise ValueError(
+                "scale_by_plumage: gift_stats is only accepted on refresh steps "
+                "(plumage_refresh=True), when the projection and GIFT's factors change"
+            )
+        if plumage_refresh and params is None:
+            raise ValueError(
+                "scale_by_plumage: a GIFT stage in communicate needs params in update() on "
+                "refresh steps (its statistics are in the params' coordinates)"
+            )
+        return stats
+
+    def _gift_projection(paths, carry: _Carry) -> dict[str, jax.Array]:
+        """``{path: M}`` with ``R = MᵀG``: ``M = P·D⁻¹`` (``"before_moments"``) or ``P``,
+        ``(n, k)`` per GIFT layer (plain 2-D kernels, projected on their input side)."""
+        proj = {_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+            carry.projector)[0]}
+        probs = {_path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+            carry.probs)[0]}
+        out = {}
+        for path in paths:
+            m = proj[path] / probs[path][:, None, :] if scale_before else proj[path]
+            out[path] = m[0]
+        return out
+
+    def _refresh_gift(comm_state, carry, coords_like, params, gift_stats, extra_args):
+        """Rebuild GIFT's factors for the new projection: one call of ``communicate`` on
+        zero coordinates with ``gift_stats`` and ``gift_projection`` (output discarded;
+        with zeroed residuals it sends exact zeros)."""
+        paths = _gift_paths(comm_state)
+        zeros = jax.tree.map(jnp.zeros_like, coords_like)
+        _, comm_state = comm.update(
+            zeros, comm_state, params, gift_stats=gift_stats,
+            gift_projection=_gift_projection(paths, carry), **extra_args,
+        )
+        return comm_state
 
     # ----------------------------------------------------------------------------- init
     def init_fn(params):
@@ -309,7 +531,7 @@ def scale_by_plumage(
                 refreshes=z,
                 skipped_refreshes=z,
                 comm_state=empty,
-                refresh_comm_state=empty,
+                refresh_comm_state=empty if comm is None else comm_refresh.init(params),
             )
         layouts = layouts_of(params)
         leaves, lays, treedef = _flat(params, layouts)
@@ -342,8 +564,8 @@ def scale_by_plumage(
         if comm is None:
             comm_state = refresh_comm_state = optax.EmptyState()
         else:
-            comm_state = comm.init(unflat(comm_shaped))
-            refresh_comm_state = comm.init(jax.tree.map(jnp.zeros_like, params))
+            comm_state = _init_projected_comm(unflat(comm_shaped), params, layouts)
+            refresh_comm_state = comm_refresh.init(jax.tree.map(jnp.zeros_like, params))
         return PlumageState(
             count=z,
             key=jax.random.PRNGKey(seed),
@@ -392,14 +614,25 @@ def scale_by_plumage(
         fn = functools.partial(estimator.flora_projector, m=lay.m, k=lay.rank)
         return jax.vmap(fn)(keys)
 
-    def _refresh(grads, carry: _Carry, layouts) -> _Carry:
+    def _refresh(grads, carry: _Carry, layouts, axis=None) -> _Carry:
+        """New projections from ``grads``; the SVDs are spread over ``axis`` when given (the
+        reduced gradient is then identical on every replica; see gift_jax.batching)."""
         key, sub = jax.random.split(carry.key)
         leaves, lays, treedef = _flat(grads, layouts)
         fields = [treedef.flatten_up_to(f) for f in carry[1:9]]
         outs = [list(f) for f in fields]
         skipped = carry.skipped_refreshes
         overlaps = []
-        for i, (g, lay) in enumerate(zip(leaves, lays, strict=True)):
+        mats, svds = {}, {}
+        if strategy != "flora":
+            for i, (g, lay) in enumerate(zip(leaves, lays, strict=True)):
+                if lay is not None:
+                    gm = lay.to_matrix(g).astype(jnp.float32)
+                    accept = jnp.all(jnp.isfinite(gm), axis=(1, 2))
+                    mats[i] = (jnp.where(accept[:, None, None], gm, 0.0), accept)
+            svds = map_matrices_grouped(_left_singular, {str(i): (gm,) for i, (gm, _) in
+                                                         mats.items()}, axis)
+        for i, lay in enumerate(lays):
             if lay is None:
                 continue
             mu, nu, mm, nm, proj, probs, basis, spec = (f[i] for f in fields)
@@ -408,10 +641,8 @@ def scale_by_plumage(
                 accept = jnp.ones((lay.batch,), bool)
                 new_proj, new_probs = _new_projector(leaf_key, lay, None, None)
             else:
-                gm = lay.to_matrix(g).astype(jnp.float32)
-                accept = jnp.all(jnp.isfinite(gm), axis=(1, 2))
-                gm = jnp.where(accept[:, None, None], gm, 0.0)
-                u, sigma = map_matrices(_left_singular, gm)
+                accept = mats[i][1]
+                u, sigma = svds[str(i)]
                 new_proj, new_probs = _new_projector(leaf_key, lay, u, sigma)
                 if adaptive_refresh is not None:
                     top = u[..., : lay.rank]
@@ -468,7 +699,6 @@ def scale_by_plumage(
 
     # ----------------------------------------------------------------------------- update
     def update_fn(updates, state: PlumageState, params=None, **extra_args):
-        del params
         plumage_refresh = extra_args.pop("plumage_refresh", None)
         if plumage_refresh is not None and not isinstance(plumage_refresh, bool):
             raise TypeError(
@@ -481,6 +711,7 @@ def scale_by_plumage(
                 "plumage_refresh=True/False in update(): collectives of different shapes "
                 "cannot live in lax.cond branches (use refresh_due(state) on the host)"
             )
+        gift_stats = _pop_gift_stats(state.comm_state, plumage_refresh, params, extra_args)
         layouts = layouts_of(updates)
         count = state.count
         carry = _Carry(
@@ -498,7 +729,7 @@ def scale_by_plumage(
             state.skipped_refreshes,
         )
         grads = updates
-        refresh_comm_state = state.refresh_comm_state
+        comm_state, refresh_comm_state = state.comm_state, state.refresh_comm_state
         reduced = False
         if plumage_refresh is None:
             refreshed = (count - state.last_refresh >= state.refresh_interval) | (
@@ -510,9 +741,18 @@ def scale_by_plumage(
         elif plumage_refresh:
             refreshed = True
             if comm is not None:
-                grads, refresh_comm_state = comm.update(grads, refresh_comm_state, **extra_args)
+                grads, refresh_comm_state = comm_refresh.update(
+                    grads, refresh_comm_state, **extra_args
+                )
                 reduced = True
-            carry = _refresh(grads, carry, layouts)
+            carry = _refresh(grads, carry, layouts, axis_name if comm is not None else None)
+            if comm is not None:  # new projection: old-coordinate residuals are meaningless
+                comm_state = reset_error_feedback(comm_state)
+            if gift_stats is not None:
+                coords_like = _zero_coords(updates, layouts)
+                comm_state = _refresh_gift(
+                    comm_state, carry, coords_like, params, gift_stats, extra_args
+                )
         else:
             refreshed = False
         last_refresh = jnp.where(refreshed, count, state.last_refresh).astype(jnp.int32)
@@ -520,6 +760,8 @@ def scale_by_plumage(
         if resample_every is not None:
             due = (count % resample_every == 0) & jnp.logical_not(refreshed)
             carry = jax.lax.cond(due, lambda c: _resample(c, layouts), lambda c: c, carry)
+            if comm is not None:
+                comm_state = reset_error_feedback(comm_state, due)
 
         leaves, lays, treedef = _flat(grads, layouts)
         proj = treedef.flatten_up_to(carry.projector)
@@ -532,7 +774,6 @@ def scale_by_plumage(
             return r / d[..., None] if scale_before else r
 
         coord = [coords(*a) for a in zip(leaves, lays, proj, probs, strict=True)]
-        comm_state = state.comm_state
         if comm is not None and not reduced:
             to_comm = [r if lay is None else r.reshape(lay.coord_shape) for r, lay in zip(
                 coord, lays, strict=True)]
@@ -624,6 +865,9 @@ def plumage(
     mask: Any = None,
     adaptive_refresh: AdaptiveRefresh | None = None,
     communicate: optax.GradientTransformation | None = None,
+    axis_name: Any = None,
+    communicate_refresh: optax.GradientTransformation | None = None,
+    distribute_refresh: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """PLUMAGE-Adam(W): :func:`scale_by_plumage` → decoupled weight decay → learning rate.
 
@@ -642,8 +886,9 @@ def plumage(
       weight_decay: decoupled weight decay coefficient.
       weight_decay_mask: optax mask (tree or callable) for weight decay.
       strategy, resample_every, realign, unbiased_scaling, b1, b2, eps, eps_root, scale, seed,
-      weight_dimension_numbers, mask, adaptive_refresh, communicate: see
-        :func:`scale_by_plumage`.
+      weight_dimension_numbers, mask, adaptive_refresh, communicate, axis_name,
+      distribute_refresh,
+      communicate_refresh: see :func:`scale_by_plumage`.
     """
     return optax.chain(
         scale_by_plumage(
@@ -663,6 +908,9 @@ def plumage(
             mask=mask,
             adaptive_refresh=adaptive_refresh,
             communicate=communicate,
+            axis_name=axis_name,
+            communicate_refresh=communicate_refresh,
+            distribute_refresh=distribute_refresh,
         ),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),

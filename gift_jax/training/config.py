@@ -36,11 +36,18 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "comm": {
         "intra_codec": "fp32",  # codec of the intra-node reduce-scatter (hierarchical only)
+        "distribute_refresh": True,  # spread GIFT/PLUMAGE refresh decompositions over replicas
     },
     "train": {
         "grad_accum_steps": 1,  # microbatches per optimizer step (one all-reduce per step)
         "diagnostics_every": 100,  # steps between wire-bytes/fidelity logs; 0 disables
         "keep_checkpoints": 3,  # most recent checkpoints kept on disk
+    },
+    "gift": {
+        "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
+    },
+    "plumage": {
+        "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
     },
 }
 
@@ -160,6 +167,26 @@ def _get(config, name: str) -> Any:
     return node
 
 
+def _validate_plumage_gift(config) -> None:
+    """``plumage.gift``: GIFT whitening of PLUMAGE's projected coordinates, with the
+    ``gift.*`` settings (its factors refresh with the projection, every
+    ``plumage.refresh_every`` steps; ``gift.refresh_every`` does not apply)."""
+    use = config.plumage.get("gift", False)
+    if not isinstance(use, bool):
+        raise ConfigError(f"plumage.gift={use!r} must be a bool (true/false)")
+    if not use:
+        return
+    _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
+    _positive_int(config, "gift.rank")
+    if not tuple(config.gift.layers):
+        raise ConfigError("gift.layers=() must name at least one layer when plumage.gift=True")
+    if config.gift.get("two_sided", False):
+        raise ConfigError(
+            "gift.two_sided=True cannot be combined with plumage.gift=True (GIFT whitens the "
+            "projected input side only); set gift.two_sided=false"
+        )
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices.
 
@@ -185,10 +212,18 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                 f"optimizer.name={config.optimizer.name!r} cannot be combined with "
                 "comm.mode='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"
             )
+        _validate_plumage_gift(config)
     if mode == "gift_fp8":
         _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
         _positive_int(config, "gift.rank")
         _positive_int(config, "gift.refresh_every")
+        if not isinstance(config.gift.two_sided, bool):
+            raise ConfigError(
+                f"gift.two_sided={config.gift.two_sided!r} must be a bool (true/false)")
+    if not isinstance(config.comm.distribute_refresh, bool):
+        raise ConfigError(
+            f"comm.distribute_refresh={config.comm.distribute_refresh!r} must be a bool "
+            "(true/false)")
     if config.comm.scaling == "block" and config.comm.codec in ("fp8_e4m3", "fp8_e5m2"):
         _positive_int(config, "comm.block_size")
     for name in ("train.global_batch_size", "train.seq_len", "train.num_steps",
@@ -247,14 +282,20 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 
 def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> list[str]:
-    """``"name: stored != current"`` for every field that matters for resuming."""
+    """``"name: stored != current"`` for every field that matters for resuming.
+
+    A field the checkpoint lacks whose current value is its :data:`TRAINER_DEFAULTS` value is
+    not a difference: the checkpoint predates the setting and ran with that behaviour."""
     stored = json.loads(stored_json)
     current = json.loads(to_json(config))
+    defaults = json.loads(json.dumps(_flatten(TRAINER_DEFAULTS)))
     names = sorted((set(stored) | set(current)) - RUN_CONTROL_FIELDS)
     missing = object()
     diffs = []
     for name in names:
         a, b = stored.get(name, missing), current.get(name, missing)
+        if a is missing and name in defaults and b == defaults[name]:
+            continue
         if a != b:
             a = "<absent>" if a is missing else repr(a)
             b = "<absent>" if b is missing else repr(b)

@@ -13,6 +13,11 @@ PLUMAGE communicates *inside* the optimizer (it reduces the projected coordinate
 record_grad_norm(), clip)))``: clipping acts on what was reduced — the projected coordinates
 ``R = D⁻¹PᵀG`` and the dense leaves on ordinary steps (‖PR‖ = ‖R‖ for orthonormal ``P``, so this
 is the norm of the unbiased estimate ``Ĝ``) and the full gradient on refresh steps.
+With ``plumage.gift=True`` ordinary steps use ``chain(gift(all-reduce, gift.layers,
+projected_dim=plumage.rank), record_grad_norm(), clip)`` — the coordinates ``R = MᵀG`` of
+``gift.layers`` are whitened with the factor of ``MᵀAM`` — and refresh steps reduce the full
+gradient through the plain chain (``communicate_refresh``); each PLUMAGE refresh passes the
+captured input statistics ``A`` so GIFT's factors follow the new projection ``M``.
 
 Since the finiteness check looks at the chain's *output* (computed from reduced quantities,
 identical on every replica), every replica takes the same decision; a skipped step leaves the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,7 +40,10 @@ from optax.contrib import MuonDimensionNumbers
 
 import gift_jax
 from gift_jax.lowrank import plumage
+from gift_jax.lowrank.layout import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
+
+log = logging.getLogger("gift_jax.training")
 
 #: Parameters kept off Muon and off low-rank projection (embeddings, output head).
 DENSE_PATTERNS = ("embed/*", "lm_head/*")
@@ -153,6 +162,8 @@ class Optimizer:
       gift_layers: layer patterns whose input statistics a GIFT refresh needs (else ``()``).
       stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
         all-reduce, applied to full gradients).
+      gift_two_sided: a GIFT refresh also needs the output-side statistics B = E[g gᵀ]
+        (``gift.two_sided``; :func:`gift_jax.capture.kfac_value_and_grad`).
     """
 
     tx: optax.GradientTransformationExtraArgs
@@ -161,6 +172,7 @@ class Optimizer:
     refresh_every: int | None
     gift_layers: tuple[str, ...]
     stage: optax.GradientTransformation
+    gift_two_sided: bool = False
 
 
 def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
@@ -224,6 +236,61 @@ def _dense_optimizer(config, schedule) -> optax.GradientTransformation:
     )
 
 
+def _projected_gift(config, stage, axes) -> optax.GradientTransformation:
+    """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
+    ``gift.layers``: whitened with the factor of ``MᵀAM`` (``projected_dim=plumage.rank``),
+    rebuilt on every PLUMAGE refresh (``gift.refresh_every`` does not apply)."""
+    from gift_jax.gift import gift
+
+    g = config.gift
+    return gift(
+        stage,
+        layers=tuple(g.layers),
+        rank=g.rank,
+        refresh_every=config.plumage.refresh_every,
+        factor=GIFT_REMAINDERS[g.remainder],
+        damping=g.damping,
+        ema=g.ema,
+        axis_name=axes if len(axes) > 1 else axes[0],
+        projected_dim=config.plumage.rank,
+        distribute_refresh=config.comm.distribute_refresh,
+        seed=config.train.seed,
+    )
+
+
+def _plumage_mask(layers: tuple[str, ...], rank: int):
+    """PLUMAGE's mask callable (``plumage.layers``); the first time it sees the params it
+    warns when the mask and rank project no leaf (every selected matrix has its smaller side
+    ``<= plumage.rank``): the run would silently be dense Adam with full-size communication."""
+    warned = []
+
+    def mask(params):
+        tree = path_mask(params, layers)
+        if not warned:
+            warned.append(True)
+            _warn_if_nothing_projected(params, tree, rank, layers)
+        return tree
+
+    return mask
+
+
+def _warn_if_nothing_projected(params, mask_tree, rank: int, layers) -> None:
+    if jax.tree.leaves(resolve_layouts(params, rank, None, mask_tree)):  # LeafLayouts only
+        return
+    sides = [(min(x.shape), leaf_path(p)) for (p, x), sel in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask_tree), strict=True)
+        if sel and len(x.shape) == 2]
+    if not sides:
+        detail = f"plumage.layers={layers} select no 2-D parameter"
+    else:
+        side, path = min(sides)
+        detail = (f"plumage.rank={rank} >= the smaller side of every selected matrix (smallest: "
+                  f"{side}, {path})")
+    log.warning(
+        "comm.mode='plumage' projects NO parameter: %s; every leaf stays dense, so this run is "
+        "plain Adam with full-size gradient communication", detail)
+
+
 def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
     """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring).
 
@@ -236,6 +303,12 @@ def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) ->
         opt = config.optimizer
         stage = allreduce_stage(config, axes, config.comm.codec)
         communicate = optax.chain(stage, record_grad_norm(), *_clip(config))
+        communicate_refresh, gift_layers = None, ()
+        if pl.get("gift", False):  # ordinary steps: GIFT-whitened (k, N) coordinates
+            gift_layers = tuple(config.gift.layers)
+            communicate_refresh = communicate  # refresh steps: the full gradient, plain
+            communicate = optax.chain(_projected_gift(config, stage, axes), record_grad_norm(),
+                                      *_clip(config))
         layers = tuple(pl.layers)
         tx = plumage(
             schedule,
@@ -250,20 +323,25 @@ def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) ->
             eps=opt.eps,
             scale=pl.scale,
             seed=config.train.seed,
-            mask=lambda params: path_mask(params, layers),
+            mask=_plumage_mask(layers, pl.rank),
             communicate=communicate,
+            communicate_refresh=communicate_refresh,
+            axis_name=axes if len(axes) > 1 else axes[0],
+            distribute_refresh=config.comm.distribute_refresh,
         )
-        return Optimizer(skip_nonfinite(tx), schedule, mode, pl.refresh_every, (), stage)
+        return Optimizer(skip_nonfinite(tx), schedule, mode, pl.refresh_every, gift_layers,
+                         stage)
 
     codec = {"fp32": "fp32", "bf16": "bf16"}.get(mode, config.comm.codec)
     stage = allreduce_stage(config, axes, codec)
-    refresh_every, gift_layers = None, ()
+    refresh_every, gift_layers, two_sided = None, (), False
     if mode == "gift_fp8":
         from gift_jax.gift import gift
 
         g = config.gift
         gift_layers = tuple(g.layers)
         refresh_every = g.refresh_every
+        two_sided = bool(g.get("two_sided", False))
         stage = gift(
             stage,
             layers=gift_layers,
@@ -273,11 +351,14 @@ def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) ->
             damping=g.damping,
             ema=g.ema,
             axis_name=axes if len(axes) > 1 else axes[0],
+            two_sided=two_sided,
+            distribute_refresh=config.comm.distribute_refresh,
             seed=config.train.seed,
         )
     chain = optax.chain(stage, record_grad_norm(), *_clip(config),
                         _dense_optimizer(config, schedule))
-    return Optimizer(skip_nonfinite(chain), schedule, mode, refresh_every, gift_layers, stage)
+    return Optimizer(skip_nonfinite(chain), schedule, mode, refresh_every, gift_layers, stage,
+                     two_sided)
 
 
 def grad_norm_from_state(opt_state: Any, refresh: bool, mode: str) -> jax.Array:

@@ -6,7 +6,8 @@ Inside ``shard_map`` (``check_vma=False``, so ``jax.grad`` of the replicated par
 1. rebuilds the model from the replicated parameters (``nnx.merge``),
 2. computes the gradient of its shard of the batch — a ``lax.scan`` over ``grad_accum_steps``
    microbatches when accumulating, so there is one reduction per optimizer step — and, in a
-   GIFT refresh variant, the input statistics of the selected layers,
+   GIFT refresh variant, the input statistics of the selected layers (with ``gift.two_sided``
+   also the output-side ones, from the same backward pass),
 3. runs the optimizer chain, whose first stage is the reduction (see :mod:`.optim`).
 
 Parameters are replicated (``P()``), the batch is split over the data axes, and the optimizer
@@ -98,10 +99,19 @@ def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh) -> Ca
 
 
 def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
-                          accum_steps: int, capture_layers: tuple[str, ...]):
-    """(mean loss, mean gradient, mean input statistics) of this device's tokens."""
+                          accum_steps: int, capture_layers: tuple[str, ...],
+                          two_sided: bool = False):
+    """(mean loss, mean gradient, mean input statistics) of this device's tokens; with
+    ``two_sided`` the statistics are ``(A, B)``, B the per-token output-side second moment
+    (:func:`gift_jax.capture.kfac_value_and_grad`)."""
 
     def one(p, toks):
+        if capture_layers and two_sided:
+            from gift_jax.capture import kfac_value_and_grad
+
+            fn = kfac_value_and_grad(next_token_loss, capture_layers)
+            (loss, stats), g = fn(model_def.merge(p), toks)
+            return loss, nnx.to_pure_dict(g), stats
         if capture_layers:
             from gift_jax.capture import with_input_stats
 
@@ -138,12 +148,16 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
     if optimizer.mode == "plumage":
         extra["plumage_refresh"] = refresh
     capture = optimizer.gift_layers if (optimizer.mode == "gift_fp8" and refresh) else ()
+    if optimizer.mode == "plumage" and refresh:  # plumage.gift: A of the layers GIFT whitens
+        capture = optimizer.gift_layers  # (empty without GIFT)
 
     def body(params, opt_state, tokens):
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
-                                                   capture)
+                                                   capture, optimizer.gift_two_sided)
         kwargs = dict(extra)
-        if capture:
+        if capture and optimizer.gift_two_sided:
+            kwargs["gift_stats"], kwargs["gift_output_stats"] = stats
+        elif capture:
             kwargs["gift_stats"] = stats
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)
         params = optax.apply_updates(params, updates)

@@ -1,0 +1,103 @@
+"""Whole train-step time ratios measured in the same run (GIFT and PLUMAGE issues).
+
+Two comparisons on the trainer's own compiled step (forward, backward, data-parallel
+reduction, optimizer) over 8 simulated CPU devices when there is no accelerator, timed
+interleaved (:func:`gift_jax.training.timing.step_times`):
+
+* ``gift``: comm.mode ``fp8`` (Euclidean FP8 all-reduce) vs ``gift_fp8`` — ordinary-step ratio
+  (goal <= 1.05) and the refresh step's extra time amortised over K.
+* ``lowrank``: PLUMAGE vs GaLore projector (comm.mode ``plumage``) — ordinary-step ratio
+  (goal <= 1.05) and refresh steps.
+* ``gift_spread`` / ``plumage_spread``: refresh steps with the per-layer decompositions spread
+  over the replicas (``comm.distribute_refresh=true``, the default) vs every replica
+  computing all of them.
+
+    python scripts/bench_step.py --out /tmp/bench_step
+    python scripts/bench_step.py --compare gift --config tiny --repeats 30 --out /tmp/x
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+if "jax" not in sys.modules:  # simulate a data-parallel mesh on the CPU when no accelerator
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+from gift_jax.experiments.roundtrip import load_config  # noqa: E402
+from gift_jax.training.config import apply_overrides, complete_config  # noqa: E402
+from gift_jax.training.mesh import make_mesh  # noqa: E402
+from gift_jax.training.timing import step_times  # noqa: E402
+
+COMPARISONS = {
+    "gift": ("fp8", {"fp8": [("comm.mode", "fp8")], "gift_fp8": [("comm.mode", "gift_fp8")]}),
+    "lowrank": ("galore", {
+        "galore": [("comm.mode", "plumage"), ("plumage.projector", "galore")],
+        "plumage": [("comm.mode", "plumage"), ("plumage.projector", "plumage")]}),
+    "gift_spread": ("gift_fp8 replicated", {
+        "gift_fp8 replicated": [("comm.mode", "gift_fp8"), ("comm.distribute_refresh", "false")],
+        "gift_fp8 spread": [("comm.mode", "gift_fp8"), ("comm.distribute_refresh", "true")]}),
+    "plumage_spread": ("plumage replicated", {
+        "plumage replicated": [("comm.mode", "plumage"), ("comm.distribute_refresh", "false")],
+        "plumage spread": [("comm.mode", "plumage"), ("comm.distribute_refresh", "true")]}),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default="tiny", help="config name under configs/ or a path")
+    ap.add_argument("--compare", default=",".join(COMPARISONS),
+                    help=f"comma list of: {', '.join(COMPARISONS)}")
+    ap.add_argument("--repeats", type=int, default=20, help="ordinary steps per config")
+    ap.add_argument("--refresh_repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python " + " ".join(["scripts/bench_step.py", *(argv or sys.argv[1:])])
+    base_config = complete_config(load_config(args.config))
+    mesh = make_mesh()
+    md = [f"<!-- {command} -->",
+          f"platform {jax.default_backend()}, {len(jax.devices())} devices, config "
+          f"`{args.config}`, interleaved rounds: {args.repeats} ordinary, "
+          f"{args.refresh_repeats} refresh steps per configuration", "",
+          "| comparison | config | ordinary step best (ms) | median (ms) | ratio to baseline "
+          "(best / median) | refresh step best (ms) | refresh / baseline's | refresh extra "
+          "amortised over K |",
+          "|---|---|---|---|---|---|---|---|"]
+    result = {"command": command, "rows": []}
+    for name in args.compare.split(","):
+        if name not in COMPARISONS:
+            raise SystemExit(f"--compare: unknown {name!r}; allowed: {', '.join(COMPARISONS)}")
+        baseline, variants = COMPARISONS[name]
+        configs = {label: apply_overrides(base_config, ov) for label, ov in variants.items()}
+        rows = step_times(configs, mesh, repeats=args.repeats,
+                          refresh_repeats=args.refresh_repeats)
+        base = next(r for r in rows if r["config"] == baseline)
+        for r in rows:
+            ratio = (f"{r['ordinary_best'] / base['ordinary_best']:.3f} / "
+                     f"{r['ordinary_median'] / base['ordinary_median']:.3f}")
+            extra = refresh = refresh_ratio = "—"
+            if r["refresh_best"] is not None:
+                refresh = f"{1e3 * r['refresh_best']:.1f}"
+                if base["refresh_best"] is not None:
+                    refresh_ratio = f"{r['refresh_best'] / base['refresh_best']:.3f}"
+                amortised = (r["refresh_best"] - r["ordinary_best"]) / r["refresh_every"]
+                extra = (f"{1e3 * amortised:.2f} ms/step (K={r['refresh_every']}; "
+                         f"{amortised / r['ordinary_best']:.3f} of a step)")
+            md.append(f"| {name} | {r['config']} | {1e3 * r['ordinary_best']:.1f} | "
+                      f"{1e3 * r['ordinary_median']:.1f} | {ratio} | {refresh} | "
+                      f"{refresh_ratio} | {extra} |")
+            result["rows"].append({"comparison": name, **r})
+        print("\n".join(md[-len(rows):]), flush=True)
+    (out / "bench_step.md").write_text("\n".join(md) + "\n")
+    (out / "bench_step.json").write_text(json.dumps(result, indent=1))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
