@@ -55,15 +55,21 @@ def main(argv=None):
                     help=f"comma list of: {', '.join(COMPARISONS)}")
     ap.add_argument("--repeats", type=int, default=20, help="ordinary steps per config")
     ap.add_argument("--refresh_repeats", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="config override for every configuration, e.g. "
+                         "train.global_batch_size=64 (repeatable)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join(["scripts/bench_step.py", *(argv or sys.argv[1:])])
-    base_config = complete_config(load_config(args.config))
+    sets = [tuple(kv.split("=", 1)) for kv in args.set]
+    if any(len(kv) != 2 for kv in sets):
+        raise SystemExit("--set takes NAME=VALUE, e.g. --set train.global_batch_size=64")
+    base_config = apply_overrides(complete_config(load_config(args.config)), sets)
     mesh = make_mesh()
     md = [f"<!-- {command} -->",
           f"platform {jax.default_backend()}, {len(jax.devices())} devices, config "
-          f"`{args.config}`, interleaved rounds: {args.repeats} ordinary, "
+          f"`{args.config}` {' '.join(args.set)}, interleaved rounds: {args.repeats} ordinary, "
           f"{args.refresh_repeats} refresh steps per configuration", "",
           "| comparison | config | ordinary step best (ms) | median (ms) | ratio to baseline "
           "(best / median) | refresh step best (ms) | refresh / baseline's | refresh extra "
