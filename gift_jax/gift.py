@@ -70,7 +70,7 @@ import optax
 
 from gift_jax import whitening as wh
 from gift_jax.batching import map_matrices_grouped
-from gift_jax.comm_stage import allreduce_axis
+from gift_jax.comm_stage import AllReduceState, allreduce_axis
 
 __all__ = [
     "GiftDimensionNumbers",
@@ -228,8 +228,6 @@ def _reexpress_residuals(inner_state: Any, updates: Any, sel: Mapping[str, _Layo
     stage's bucket plan (``spec`` is ``None``: ``inner`` is not a bare
     :func:`gift_jax.allreduce`) every shard residual is zeroed.
     """
-    from gift_jax.comm_stage import AllReduceState
-
     flat = jax.tree_util.tree_flatten_with_path(updates)[0]
     whitened = [i for i, (p, _) in enumerate(flat) if leaf_path(p) in sel]
 
