@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import runpy
+import shutil
 
 from gift_jax.training import train
 from gift_jax.training.config import apply_overrides, complete_config
@@ -32,6 +33,24 @@ def demo_config(mode: str, steps: int, config_file: str | os.PathLike | None = N
     ])
 
 
+#: What a trainer workdir holds; a demo rerun replaces a workdir made only of these.
+RUN_ARTEFACTS = frozenset({"checkpoints", "metrics.jsonl", "summary.json", "tensorboard"})
+
+
+def _fresh_workdir(workdir: pathlib.Path) -> None:
+    """Make the demo re-runnable: remove a previous run's workdir (only trainer artefacts in
+    it); refuse, naming the path, if it holds anything else."""
+    if not workdir.exists():
+        return
+    found = {p.name for p in workdir.iterdir()}
+    if not found <= RUN_ARTEFACTS:
+        raise ValueError(
+            f"demo: {workdir} holds files that are not a previous demo run "
+            f"({sorted(found - RUN_ARTEFACTS)}); choose another --out")
+    print(f"demo: replacing the previous run in {workdir}", flush=True)
+    shutil.rmtree(workdir)
+
+
 def _last(history, key):
     values = [r[key] for r in history if key in r]
     return values[-1] if values else float("nan")
@@ -48,6 +67,7 @@ def run_demo(out_dir: str | os.PathLike, steps: int = 100, modes=DEMO_MODES,
     rows = []
     for mode in modes:
         workdir = pathlib.Path(out_dir) / mode
+        _fresh_workdir(workdir)
         result = train(demo_config(mode, steps, config_file), str(workdir), data=data,
                        data_dir=data_dir, show_progress=show_progress,
                        compiler_options=compiler_options)

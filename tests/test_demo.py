@@ -31,3 +31,11 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         read_metrics(tmp_path / "nope")
+    # the README command is re-runnable: a second run replaces the first one's workdir ...
+    again = run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg,
+                     compiler_options={"xla_backend_optimization_level": 0})
+    assert again[0]["eval_loss"] == row["eval_loss"]  # same seed, fresh run
+    # ... but never a directory holding anything else
+    (tmp_path / "fp8" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="notes.txt"):
+        run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg)
