@@ -44,6 +44,7 @@ from gift_jax.comm_stage import (
     init_on_mesh,
     matrices_only,
     partition_specs,
+    reset_error_feedback,
 )
 from gift_jax.fidelity import fidelity_report
 from gift_jax.gift import GiftDimensionNumbers, GiftState, gift, select_layers
@@ -103,6 +104,7 @@ __all__ = [
     "quantized_psum",
     "quantized_reduce_scatter",
     "remove_capture",
+    "reset_error_feedback",
     "roundtrip",
     "scale_by_plumage",
     "select_layers",

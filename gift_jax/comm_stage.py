@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
@@ -119,6 +120,29 @@ def allreduce(
     # lets stages that wrap this one (GIFT) find the data-parallel axis
     update_fn.allreduce_spec = spec
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
+    """Zero the error-feedback residuals of every :class:`AllReduceState` in ``state``
+    (found anywhere: inside ``optax.chain``, GIFT's ``inner_state``, PLUMAGE's comm state).
+
+    For when the residuals no longer mean what they did: PLUMAGE's projected coordinates
+    after a projection change (adding the unsent part ``e`` of ``R₁ = D₁⁻¹P₁ᵀG`` to ``R₂`` would
+    apply ``P₂D₂e`` instead of ``P₁D₁e``), or a one-off diagnostic reduction that must not see
+    the training run's buffers.  ``changed``: ``None`` (always) or a replicated bool (a change
+    decided under ``lax.cond``; the buffers are kept where it is False).
+    """
+
+    def fix(node):
+        if not isinstance(node, AllReduceState) or node.residuals is None:
+            return node
+        if changed is None:
+            zero = jnp.zeros_like
+        else:
+            zero = lambda r: jnp.where(changed, jnp.zeros_like(r), r)
+        return node._replace(residuals=jax.tree.map(zero, node.residuals))
+
+    return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
 
 
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:

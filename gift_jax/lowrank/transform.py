@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax.batching import map_matrices_grouped
-from gift_jax.comm_stage import AllReduceState, allreduce_axis
+from gift_jax.comm_stage import allreduce_axis, reset_error_feedback
 from gift_jax.gift import GiftState
 from gift_jax.gift import leaf_path as _path_of
 from gift_jax.lowrank import estimator
@@ -39,7 +39,6 @@ __all__ = [
     "find_plumage_state",
     "plumage",
     "refresh_due",
-    "reset_error_feedback",
     "scale_by_plumage",
 ]
 
@@ -136,30 +135,6 @@ def _unit_columns(p: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------- communication helpers
-
-
-def reset_error_feedback(comm_state: Any, changed: jax.Array | bool | None = None) -> Any:
-    """Zero the error-feedback residuals of every :class:`gift_jax.AllReduceState` in a
-    communication state (found anywhere: inside ``optax.chain``, GIFT's ``inner_state``, …).
-
-    The residuals of the projected communication hold ``e``, the part of the coordinates
-    ``R = D⁻¹PᵀG`` that previous steps failed to send, in the coordinates of the projector
-    ``P₁`` that made them. After a change to ``P₂`` adding ``e`` to ``R₂`` would apply
-    ``P₂·D₂·e`` instead of ``P₁·D₁·e`` — an error in the wrong directions — so they are
-    dropped. ``changed``: ``None`` (always; a static refresh step) or a replicated bool
-    (a change decided under ``lax.cond``; the buffers are kept where it is False).
-    """
-
-    def fix(node):
-        if not isinstance(node, AllReduceState) or node.residuals is None:
-            return node
-        if changed is None:
-            zero = jnp.zeros_like
-        else:
-            zero = lambda r: jnp.where(changed, jnp.zeros_like(r), r)
-        return node._replace(residuals=jax.tree.map(zero, node.residuals))
-
-    return jax.tree.map(fix, comm_state, is_leaf=lambda x: isinstance(x, AllReduceState))
 
 
 def _gift_states(comm_state: Any) -> list[GiftState]:

@@ -187,15 +187,6 @@ def eval_step_fn(model_def: ModelDef, mesh: Mesh) -> Callable:
                                  check_vma=False))
 
 
-def _zero_residuals(state: Any) -> Any:
-    def fix(node):
-        if isinstance(node, gift_jax.AllReduceState) and node.residuals is not None:
-            return node._replace(residuals=jax.tree.map(jnp.zeros_like, node.residuals))
-        return node
-
-    return jax.tree.map(fix, state, is_leaf=lambda n: isinstance(n, gift_jax.AllReduceState))
-
-
 def fidelity_available() -> bool:
     """Whether :mod:`gift_jax.fidelity` (round-trip metrics) is installed."""
     return importlib.util.find_spec("gift_jax.fidelity") is not None
@@ -223,7 +214,7 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
         stage = optimizer.stage
         factors = None
         if optimizer.mode == "gift_fp8":
-            gift_state = _zero_residuals(opt_state.inner[0])
+            gift_state = gift_jax.reset_error_feedback(opt_state.inner[0])
             approx, _ = stage.update(grads, gift_state)
             factors = {path: jax.tree.map(lambda x: x[0], f)
                        for path, f in gift_state.factors.items()
