@@ -24,7 +24,7 @@ results (factors or projectors: n·r floats per layer for the rank-r forms).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -80,9 +80,9 @@ def _signature(args: Sequence[Any]) -> tuple:
 
 def map_matrices_grouped(
     fn: Callable[..., Any],
-    jobs: Mapping[str, Sequence[Any]],
+    jobs: Mapping[Hashable, Sequence[Any]],
     axis_name: AxisName | None = None,
-) -> dict[str, Any]:
+) -> dict[Hashable, Any]:
     """Map ``fn`` over the leading (layer) axis of every job, batching jobs of equal shapes.
 
     ``jobs[name]`` is a tuple of arguments, each an array with the job's own leading batch
@@ -91,10 +91,10 @@ def map_matrices_grouped(
     :func:`map_matrices_sharded` over ``axis_name`` (``None``: locally), and split back, so
     ``result[name]`` equals ``map_matrices(fn, *jobs[name])``.
     """
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple, list[Hashable]] = {}
     for name, args in jobs.items():
         groups.setdefault(_signature(args), []).append(name)
-    out: dict[str, Any] = {}
+    out: dict[Hashable, Any] = {}
     for names in groups.values():
         sizes = [next(a for a in jobs[n] if a is not None).shape[0] for n in names]
         cols = zip(*(jobs[n] for n in names), strict=True)

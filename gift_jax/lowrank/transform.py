@@ -605,8 +605,8 @@ def scale_by_plumage(
                     gm = lay.to_matrix(g).astype(jnp.float32)
                     accept = jnp.all(jnp.isfinite(gm), axis=(1, 2))
                     mats[i] = (jnp.where(accept[:, None, None], gm, 0.0), accept)
-            svds = map_matrices_grouped(_left_singular, {str(i): (gm,) for i, (gm, _) in
-                                                         mats.items()}, axis)
+            svds = map_matrices_grouped(
+                _left_singular, {i: (gm,) for i, (gm, _) in mats.items()}, axis)
         for i, lay in enumerate(lays):
             if lay is None:
                 continue
@@ -617,7 +617,7 @@ def scale_by_plumage(
                 new_proj, new_probs = _new_projector(leaf_key, lay, None, None)
             else:
                 accept = mats[i][1]
-                u, sigma = svds[str(i)]
+                u, sigma = svds[i]
                 new_proj, new_probs = _new_projector(leaf_key, lay, u, sigma)
                 if adaptive_refresh is not None:
                     top = u[..., : lay.rank]
@@ -861,9 +861,8 @@ def plumage(
       weight_decay: decoupled weight decay coefficient.
       weight_decay_mask: optax mask (tree or callable) for weight decay.
       strategy, resample_every, realign, unbiased_scaling, b1, b2, eps, eps_root, scale, seed,
-      weight_dimension_numbers, mask, adaptive_refresh, communicate, axis_name,
-      distribute_refresh,
-      communicate_refresh: see :func:`scale_by_plumage`.
+      weight_dimension_numbers, mask, adaptive_refresh, communicate, communicate_refresh,
+      axis_name, distribute_refresh: see :func:`scale_by_plumage`.
     """
     return optax.chain(
         scale_by_plumage(
