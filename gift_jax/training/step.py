@@ -147,9 +147,9 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
     extra: dict[str, Any] = {}
     if optimizer.mode == "plumage":
         extra["plumage_refresh"] = refresh
-    capture = optimizer.gift_layers if (optimizer.mode == "gift_fp8" and refresh) else ()
-    if optimizer.mode == "plumage" and refresh:  # plumage.gift: A of the layers GIFT whitens
-        capture = optimizer.gift_layers  # (empty without GIFT)
+    # refresh variants capture the statistics of the layers a GIFT stage whitens (gift_fp8, or
+    # plumage with plumage.gift); gift_layers is () for every other mode
+    capture = optimizer.gift_layers if refresh else ()
 
     def body(params, opt_state, tokens):
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
