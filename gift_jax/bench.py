@@ -5,6 +5,9 @@
   (shapes only: nothing is allocated or run).
 * :func:`quantize_throughput` — elements/s of the XLA quantize path (per-block and per-tensor
   scales) against a plain ``astype`` to the same 8-bit dtype measured in the same run.
+* :func:`kernel_check` — the Pallas kernels compiled for the device at hand (interpreted on
+  CPU): bit-equality with their references, and throughput against the XLA path, a plain
+  cast and the device's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from gift_jax.codecs import get_codec, leaf_scale_from_amax
 from gift_jax.collectives import quantized_psum
-from gift_jax.kernels import quantize as qk
+from gift_jax.kernels import backend as qk
+from gift_jax.kernels import quantize as kq
+from gift_jax.kernels.roofline import traffic
 from gift_jax.wire import WireReport, wire_bytes
 
 DEFAULT_CODECS = (("fp32", None), ("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
@@ -110,3 +115,70 @@ def quantize_throughput(num_elements: int = 1 << 24, codec: str = "fp8_e4m3",
         "cast_GBps": gbs(t_cast), "per_block_GBps": gbs(t_block),
         "per_tensor_GBps": gbs(t_tensor),
     }
+
+
+def _bits_equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
+
+
+def kernel_check(name: str, block_size: int | None = None, elements: int = 1 << 26,
+                 num_chunks: int = 8, repeats: int = 10, hbm_GBps: float | None = None,
+                 seed: int = 0) -> dict:
+    """Both kernels of one codec on the default device against their XLA references.
+
+    Bit-equality: quantize (round to nearest and stochastic) must match bit for bit; the fp32
+    sum of dequantize-accumulate may differ in the last bit where one compiler contracts
+    ``decode × scale + sum`` into an FMA and the other does not (reported as a max
+    difference). Throughput: bytes per :func:`gift_jax.kernels.roofline.traffic` over the best
+    time, and, with ``hbm_GBps``, as a fraction of that bandwidth.
+    """
+    platform = qk.device_platform()
+    codec = get_codec(name, block_size)
+    rows = elements // codec.row_size
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, (rows, codec.row_size)) * jnp.exp(
+        2 * jax.random.normal(k2, (rows, 1)))
+    leaf = None
+    if codec.has_leaf_scale:
+        leaf = jnp.broadcast_to(leaf_scale_from_amax(jnp.max(jnp.abs(x)), codec), (rows, 1))
+    bits = jax.random.bits(k3, x.shape, jnp.uint32)
+    quant = jax.jit(lambda a, s, r: kq.quantize_pallas(a, s, r, codec=codec, platform=platform))
+    ref_q = jax.jit(lambda a, s, r: kq.quantize_reference(a, codec, s, r))
+    out = {"codec": name, "block_size": block_size, "platform": platform, "elements": rows *
+           codec.row_size, "chunks": num_chunks}
+    for key, r in (("quantize_bitwise_equal", None), ("quantize_stochastic_bitwise_equal", bits)):
+        out[key] = all(_bits_equal(a, b) for a, b in
+                       zip(quant(x, leaf, r), ref_q(x, leaf, r), strict=True))
+    payload, row_scale = ref_q(x, leaf, None)
+    stack = lambda a: None if a is None else jnp.stack([a] * num_chunks)
+    chunks = (stack(payload), stack(row_scale), stack(leaf))
+    acc = jax.jit(lambda p, r, s: kq.dequantize_accumulate_pallas(p, r, s, codec=codec,
+                                                                 platform=platform))
+    ref_acc = jax.jit(lambda p, r, s: kq.dequantize_accumulate_reference(p, codec, r, s))
+    a, b = acc(*chunks), ref_acc(*chunks)
+    out["accumulate_bitwise_equal"] = _bits_equal(a, b)
+    out["accumulate_max_rel_diff"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    cast = jax.jit(lambda v: v.astype(codec.element_dtype))
+    times = {
+        "cast": best_time(cast, x, repeats=repeats),
+        "quantize_pallas": best_time(quant, x, leaf, None, repeats=repeats),
+        "quantize_xla": best_time(ref_q, x, leaf, None, repeats=repeats),
+        "accumulate_pallas": best_time(acc, *chunks, repeats=repeats),
+        "accumulate_xla": best_time(ref_acc, *chunks, repeats=repeats),
+    }
+    n = rows * codec.row_size
+    moved = {"quantize": sum(traffic("quantize", codec)) * n,
+             "accumulate": sum(traffic("dequantize_accumulate", codec, num_chunks)) * n}
+    for key, t in times.items():
+        out[f"{key}_ms"] = t * 1e3
+        if key != "cast":
+            gbs = moved[key.split("_")[0]] / t / 1e9
+            out[f"{key}_GBps"] = gbs
+            if hbm_GBps:
+                out[f"{key}_fraction_of_hbm"] = gbs / hbm_GBps
+    out["quantize_pallas_over_xla"] = times["quantize_pallas"] / times["quantize_xla"]
+    out["accumulate_pallas_over_xla"] = times["accumulate_pallas"] / times["accumulate_xla"]
+    return out

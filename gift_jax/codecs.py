@@ -41,8 +41,9 @@ computed from the float32 bits, not by casting to ``float8_e8m0fnu`` (that cast 
 NaN and rounds 3 up to 4).
 
 NVFP4: a per-tensor fp32 scale ``g = amax_tensor / (448 · 6)`` and a per-16 e4m3 block scale
-``b = sat_e4m3(amax_block / (6 g))``; elements are ``e2m1(x / (b g))``, packed two per byte
-(low nibble first).
+``b = sat_e4m3(amax_block / (6 g))``; elements are ``e2m1(x / (b g))``, packed two per byte:
+element ``j`` of a block in the low nibble, element ``j + 8`` in the high nibble (see "wire
+layout of a row" below: no lane interleaving, so the GPU and TPU kernels lower it).
 
 Stochastic rounding (optional): with uniform ``u ∈ [0, 1)`` per element (from random bits made
 outside the kernel), ``q = sign(y) · floor(|y| / ulp(y) + u) · ulp(y)`` where ``ulp(y)`` is the
@@ -252,20 +253,31 @@ def _e4m3_from_byte(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.float32)
 
 
-def row_scales(x: jax.Array, leaf_scale: jax.Array | None, codec: Codec):
-    """Per-row scale of ``x[rows, B]``: ``(wire_value [rows, 1], fp32 divisor [rows, 1])``.
+def row_amax(parts: list[jax.Array]) -> jax.Array:
+    """``max |x|`` over each row of a row split into column ``parts``: ``[rows, 1]``."""
+    amax = None
+    for p in parts:
+        m = jnp.max(jnp.abs(p), axis=1, keepdims=True)
+        amax = m if amax is None else jnp.maximum(amax, m)
+    return amax
+
+
+def row_scales(parts: list[jax.Array], leaf_scale: jax.Array | None, codec: Codec):
+    """Per-row scale of a ``[rows, B]`` row buffer given as its column ``parts``:
+    ``(wire_value [rows, 1], fp32 divisor [rows, 1])``.
 
     For codecs without per-row scales the wire value is ``None`` and the divisor is the leaf
     scale (or 1).
     """
     if codec.row_scale_dtype is None:
-        divisor = leaf_scale if leaf_scale is not None else jnp.ones((x.shape[0], 1), jnp.float32)
-        return None, divisor
+        if leaf_scale is not None:
+            return None, leaf_scale
+        return None, jnp.ones((parts[0].shape[0], 1), jnp.float32)
     # A plain max: no separate non-finite pass on the hot path. An Inf makes the row's scale
     # NaN (whole row NaN); a NaN either does the same or, where a fused max drops it, stays a
     # NaN code in place (fp8 formats have NaN codes): never finite garbage. NVFP4 (no NaN
     # code) is covered by its per-tensor scale, computed with the explicit check.
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    amax = row_amax(parts)
     if codec.name == "mxfp8":
         byte = _mx_exponent_byte(amax)
         return byte, _mx_scale(byte)
@@ -312,8 +324,40 @@ def _saturating_cast(y: jax.Array, codec: Codec) -> jax.Array:
     return jnp.clip(y, -codec.fmax, codec.fmax).astype(codec.element_dtype)
 
 
-def _pack_e2m1(q: jax.Array) -> jax.Array:
-    """float4_e2m1fn values → their 4-bit codes, packed two per byte (low nibble first).
+# ---- wire layout of a row: column parts in, byte planes out ---------------------------------
+#
+# The packing never reshapes or interleaves lanes, so the Pallas kernels (Triton on GPU,
+# Mosaic on TPU) lower it with plain loads and stores of column slices:
+#   fp8 codecs  one plane of B bytes, byte j = code of element j;
+#   bf16        two planes of B bytes: the low bytes of the B bit patterns, then the high bytes;
+#   nvfp4       the row is read as two halves of B/2 elements; one plane of B/2 bytes,
+#               byte j = code(element j) | code(element j + B/2) << 4.
+
+
+def row_parts(codec: Codec) -> int:
+    """Column slices a row is read as before packing (2 for 4-bit codes, else 1)."""
+    return 2 if codec.bits == 4 else 1
+
+
+def payload_planes(codec: Codec) -> int:
+    """Byte planes a row's payload is written as (2 for 16-bit elements, else 1)."""
+    return 2 if codec.bits == 16 else 1
+
+
+def split_columns(a: jax.Array, n: int) -> list[jax.Array]:
+    """``a[..., W]`` → ``n`` equal column slices (``[a]`` for ``n == 1``)."""
+    if n == 1:
+        return [a]
+    w = a.shape[-1] // n
+    return [a[..., i * w : (i + 1) * w] for i in range(n)]
+
+
+def join_columns(parts: list[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def _e2m1_codes(q: jax.Array) -> jax.Array:
+    """float4_e2m1fn values → their 4-bit codes (uint8).
 
     e2m1 codes 0..7 are the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order; bit 3 is the sign.
     Computed arithmetically so it lowers on every backend.
@@ -321,42 +365,77 @@ def _pack_e2m1(q: jax.Array) -> jax.Array:
     v = q.astype(jnp.float32)
     a = jnp.abs(v)
     code = sum((a >= t).astype(jnp.uint8) for t in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
-    code = code | jnp.where(jnp.signbit(v) & (a > 0), jnp.uint8(8), jnp.uint8(0))
-    pairs = code.reshape(*code.shape[:-1], code.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    return code | jnp.where(jnp.signbit(v) & (a > 0), jnp.uint8(8), jnp.uint8(0))
 
 
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _unpack_e2m1(packed: jax.Array) -> jax.Array:
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
-    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+def _e2m1_values(codes: jax.Array) -> jax.Array:
     mag = jnp.zeros(codes.shape, jnp.float32)
     for c, val in enumerate(_E2M1_VALUES[1:], start=1):
         mag = jnp.where((codes & 7) == c, jnp.float32(val), mag)
     return jnp.where(codes >= 8, -mag, mag)
 
 
+def encode_parts(ys: list[jax.Array], codec: Codec,
+                 us: list[jax.Array] | None = None) -> list[jax.Array]:
+    """Scaled float32 column parts (:func:`row_parts` of them) → uint8 byte planes."""
+    qs = []
+    for i, y in enumerate(ys):
+        if us is not None:
+            y = stochastic_round(y, us[i], codec)
+        qs.append(_saturating_cast(y, codec))
+    if codec.bits == 4:
+        return [_e2m1_codes(qs[0]) | (_e2m1_codes(qs[1]) << 4)]
+    if codec.bits == 16:
+        bits = jax.lax.bitcast_convert_type(qs[0], jnp.uint16)
+        return [(bits & 0xFF).astype(jnp.uint8), (bits >> 8).astype(jnp.uint8)]
+    return [jax.lax.bitcast_convert_type(qs[0], jnp.uint8)]
+
+
+def decode_planes(planes: list[jax.Array], codec: Codec) -> list[jax.Array]:
+    """Inverse of :func:`encode_parts`: uint8 byte planes → unscaled float32 column parts."""
+    if codec.bits == 4:
+        return [_e2m1_values(planes[0] & 0xF), _e2m1_values(planes[0] >> 4)]
+    if codec.bits == 16:
+        bits = planes[0].astype(jnp.uint16) | (planes[1].astype(jnp.uint16) << 8)
+        return [jax.lax.bitcast_convert_type(bits, codec.element_dtype).astype(jnp.float32)]
+    return [jax.lax.bitcast_convert_type(planes[0], codec.element_dtype).astype(jnp.float32)]
+
+
 def encode_elements(y: jax.Array, codec: Codec, u: jax.Array | None = None) -> jax.Array:
     """Scaled float32 ``y[..., B]`` → wire bytes ``uint8[..., B·bits/8]``."""
-    if u is not None:
-        y = stochastic_round(y, u, codec)
-    q = _saturating_cast(y, codec)
-    if codec.bits == 4:
-        return _pack_e2m1(q)
-    raw = jax.lax.bitcast_convert_type(q, jnp.uint8)  # [..., B] or [..., B, bytes]
-    return raw.reshape(*y.shape[:-1], y.shape[-1] * codec.bits // 8)
+    n = row_parts(codec)
+    us = None if u is None else split_columns(u, n)
+    return join_columns(encode_parts(split_columns(y, n), codec, us))
 
 
 def decode_elements(raw: jax.Array, codec: Codec) -> jax.Array:
     """Wire bytes ``uint8[..., B·bits/8]`` → unscaled float32 ``[..., B]``."""
-    if codec.bits == 4:
-        return _unpack_e2m1(raw)
-    nbytes = codec.bits // 8
-    if nbytes > 1:
-        raw = raw.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes, nbytes)
-    return jax.lax.bitcast_convert_type(raw, codec.element_dtype).astype(jnp.float32)
+    return join_columns(decode_planes(split_columns(raw, payload_planes(codec)), codec))
+
+
+def encode_row_parts(
+    parts: list[jax.Array],
+    codec: Codec,
+    leaf_scale: jax.Array | None = None,
+    rand_parts: list[jax.Array] | None = None,
+):
+    """:func:`encode_rows` on a row buffer given as its :func:`row_parts` column parts:
+    ``(byte planes, row_scale [rows, 1] | None)``. The kernels call this on the slices they
+    load; the reference calls it through :func:`encode_rows`."""
+    wire_scale, divisor = row_scales(parts, leaf_scale, codec)
+    if codec.row_scale_dtype is None and codec.has_leaf_scale is False:
+        ys = parts  # bf16: no scaling at all
+    else:
+        # one reciprocal per row, then a multiply per element (exact for power-of-two scales;
+        # within one fp32 ulp of x / s otherwise, far below the 8-bit rounding that follows).
+        # A zero divisor (an NVFP4 block scale that underflowed) encodes zeros.
+        inv = jnp.where(divisor == 0, jnp.float32(0.0), 1.0 / divisor)
+        ys = [p * inv for p in parts]
+    us = None if rand_parts is None else [uniform_from_bits(r, codec) for r in rand_parts]
+    return encode_parts(ys, codec, us), wire_scale
 
 
 def encode_rows(
@@ -371,16 +450,24 @@ def encode_rows(
     ``codec.has_leaf_scale``). ``rand_bits: u32[rows, B]`` switches on stochastic rounding.
     Zero rows encode to zeros; NaN/Inf make the row (or leaf) decode as NaN.
     """
-    wire_scale, divisor = row_scales(x, leaf_scale, codec)
-    if codec.row_scale_dtype is None and codec.has_leaf_scale is False:
-        y = x  # bf16: no scaling at all
-    else:
-        # one reciprocal per row, then a multiply per element (exact for power-of-two scales;
-        # within one fp32 ulp of x / s otherwise, far below the 8-bit rounding that follows).
-        # A zero divisor (an NVFP4 block scale that underflowed) encodes zeros.
-        y = x * jnp.where(divisor == 0, jnp.float32(0.0), 1.0 / divisor)
-    u = None if rand_bits is None else uniform_from_bits(rand_bits, codec)
-    return encode_elements(y, codec, u), wire_scale
+    n = row_parts(codec)
+    rand = None if rand_bits is None else split_columns(rand_bits, n)
+    planes, wire_scale = encode_row_parts(split_columns(x, n), codec, leaf_scale, rand)
+    return join_columns(planes), wire_scale
+
+
+def decode_row_parts(
+    planes: list[jax.Array],
+    row_scale: jax.Array | None,
+    codec: Codec,
+    leaf_scale: jax.Array | None = None,
+) -> list[jax.Array]:
+    """Inverse of :func:`encode_row_parts`: byte planes → float32 column parts."""
+    values = decode_planes(planes, codec)
+    if codec.row_scale_dtype is None and not codec.has_leaf_scale:
+        return values
+    divisor = decode_row_scales(row_scale, leaf_scale, codec)
+    return [v * divisor for v in values]
 
 
 def decode_rows(
@@ -390,10 +477,8 @@ def decode_rows(
     leaf_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Inverse of :func:`encode_rows`: ``f32[rows, B]``."""
-    values = decode_elements(payload, codec)
-    if codec.row_scale_dtype is None and not codec.has_leaf_scale:
-        return values
-    return values * decode_row_scales(row_scale, leaf_scale, codec)
+    planes = split_columns(payload, payload_planes(codec))
+    return join_columns(decode_row_parts(planes, row_scale, codec, leaf_scale))
 
 
 def roundtrip(x: jax.Array, codec: str | Codec, block_size: int | None = None) -> jax.Array:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gift_jax.codecs import Codec, abs_max, get_codec, leaf_scale_from_amax, roundtrip
-from gift_jax.kernels import quantize as qk
+from gift_jax.kernels import backend as qk
 from gift_jax.layout import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
 
 AxisName = str | tuple[str, ...]

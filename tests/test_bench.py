@@ -16,3 +16,25 @@ def test_wire_table_and_throughput_smoke():
     assert fp8["ideal_ratio"] == 0.25 and 0.25 <= fp8["ratio_to_fp32"] <= 0.255 * 1.02
     tp = quantize_throughput(1 << 14, repeats=1)
     assert tp["cast_s"] > 0 and tp["per_block_over_cast"] > 0 and tp["platform"] == "cpu"
+
+
+def test_device_check_script_smoke(tmp_path):
+    """scripts/device_check.py on CPU: the roofline table proves one pass for every kernel and
+    codec on GPU and TPU, and the interpreted kernels equal their references bit for bit."""
+    import json
+    import pathlib
+    import runpy
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+    out = tmp_path / "dc.json"
+    runpy.run_path(str(script))["main"](["--elements", "4096", "--repeats", "1",
+                                         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert len(report["roofline"]) == 12  # 6 codecs × 2 kernels
+    for row in report["roofline"]:
+        assert row["gpu"].endswith("(one pass)") and row["tpu"].endswith("(one pass)"), row
+    for check in report["device"]:
+        assert check["platform"] == "interpret"
+        assert check["quantize_bitwise_equal"] and check["quantize_stochastic_bitwise_equal"]
+        assert check["accumulate_bitwise_equal"], check
+        assert "quantize_pallas_fraction_of_hbm" not in check  # no bandwidth claims on CPU

@@ -1,4 +1,5 @@
-"""Pallas kernels (interpret=True on CPU) equal their jnp references bit for bit."""
+"""Pallas kernels equal their jnp references bit for bit (interpreted on CPU), lower for GPU
+(Triton) and TPU (Mosaic) through jax.export, and backend="auto" never crashes."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from gift_jax import codecs as C
+from gift_jax.kernels import backend as kb
 from gift_jax.kernels import quantize as qk
 
 CASES = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
@@ -37,7 +39,8 @@ def test_quantize_kernel_equals_reference(name, block, stochastic):
     x, leaf, bits = _inputs(codec, rows=37)  # 37 rows: not a multiple of the 8-row tile
     bits = bits if stochastic else None
     ref = jax.jit(qk.quantize_reference, static_argnums=1)(x, codec, leaf, bits)
-    ker = qk.quantize_pallas(x, leaf, bits, codec=codec, block_rows=8, interpret=True)
+    ker = qk.quantize_pallas(x, leaf, bits, codec=codec, block_rows=8,
+                             platform="interpret")
     _bitwise_equal(ker[0], ref[0])
     assert (ker[1] is None) == (ref[1] is None)
     if ref[1] is not None:
@@ -60,7 +63,7 @@ def test_dequantize_accumulate_kernel_equals_reference(name, block):
     leaf = None if leaves[0] is None else jnp.stack(leaves)
     ref = jax.jit(qk.dequantize_accumulate_reference, static_argnums=1)(payload, codec, row, leaf)
     ker = qk.dequantize_accumulate_pallas(payload, row, leaf, codec=codec, block_rows=8,
-                                          interpret=True)
+                                          platform="interpret")
     _bitwise_equal(ker, ref)
     # and the reference is the plain fixed-order sum of the decoded chunks (both compiled:
     # XLA may contract a multiply-add into an FMA, so eager and jitted code can differ)
@@ -71,7 +74,12 @@ def test_dequantize_accumulate_kernel_equals_reference(name, block):
 
 
 def test_backend_setting():
-    assert qk.resolve_backend("xla") == "xla"
-    assert qk.resolve_backend("auto") == "xla"  # CPU
+    codec = C.get_codec("fp8_e4m3")
+    x = jnp.zeros((64, 128))
+    assert kb.choose("xla", "quantize", codec, (x, None, None)) == "xla"
+    assert kb.choose("auto", "quantize", codec, (x, None, None)) == "xla"  # CPU
+    assert kb.choose("pallas", "quantize", codec, (x, None, None)) == "pallas"
     with pytest.raises(ValueError, match="backend='cuda'.*allowed"):
-        qk.resolve_backend("cuda")
+        kb.resolve_backend("cuda")
+    with pytest.raises(ValueError, match="platform='cuda'.*allowed"):
+        qk.quantize_pallas(x, None, None, codec=codec, platform="cuda")

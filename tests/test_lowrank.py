@@ -402,29 +402,48 @@ def test_tree_map_params_over_state():
 # ------------------------------------------------------------------------------ convergence
 
 
-def _run(opt, loss, params, steps):
-    state = opt.init(params)
+# Sampling seeds per convergence check. PLUMAGE's and FLORA's final loss is a random variable
+# of the sampling key (and of float rounding: a different jax/XLA version or vmap vs no vmap
+# changes every trajectory), so one key decides a one-seed threshold test by chance. The seeds
+# are vmapped in one program: 128 of them cost ~1 s more per case than one seed (mostly the
+# vmapped compile; running them takes ~0.5 s).
+_SEEDS = 128
 
-    def body(carry, _):
-        p, s = carry
-        u, s = opt.update(jax.grad(loss)(p), s, p)
-        return (optax.apply_updates(p, u), s), None
 
-    (p, _), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=steps))((params, state))
-    return p
+def _run(make_opt, loss, metrics, params, steps, seeds):
+    """``metrics(final params)`` after ``steps`` steps of ``make_opt(seed)``, for every seed
+    (leading seed axis; one compiled program)."""
+
+    def one(seed):  # the seed is traced: plumage(seed=...) only feeds it to PRNGKey
+        opt = make_opt(seed)
+
+        def body(carry, _):
+            p, s = carry
+            u, s = opt.update(jax.grad(loss)(p), s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p, _), _ = jax.lax.scan(body, (params, opt.init(params)), None, length=steps)
+        return metrics(p)
+
+    return jax.jit(jax.vmap(one))(seeds)
 
 
 @pytest.mark.parametrize(
     "kwargs,tol",
     [
         (dict(strategy="plumage"), 0.02),
-        # Horvitz–Thompson scaling of the step: noisier, slower (documented trade-off).
-        (dict(strategy="plumage", unbiased_scaling="after_moments", resample_every=5), 0.2),
+        # Horvitz–Thompson scaling of the step: noisier, slower (documented trade-off), and
+        # heavy-tailed across seeds: a direction sampled with p ~ 1e-3 gets a 1/p-times larger
+        # Adam step. Final/initial sensing loss over 512 seeds (jax 0.10 and 0.12): median
+        # 0.10, 34% of seeds above 0.2, 11% above 1 (up to 1.5e3); the median of 128 seeds
+        # stays below 0.20 in 99.99% of bootstrap resamples (max 0.22 in 1e5), hence 0.25.
+        (dict(strategy="plumage", unbiased_scaling="after_moments", resample_every=5), 0.25),
         (dict(strategy="flora"), 0.05),  # GaLore: see the optax.contrib.galore equivalence
     ],
 )
 def test_convergence_quadratic_and_low_rank_matrix(kwargs, tol):
     # Two objectives in one program: a full-rank quadratic and low-rank matrix sensing.
+    # The median over _SEEDS sampling seeds (a majority of seeds) must meet the bound.
     rng = np.random.default_rng(30)
     target = jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
@@ -433,9 +452,13 @@ def test_convergence_quadratic_and_low_rank_matrix(kwargs, tol):
     sensing = lambda w: 0.5 * jnp.mean(jnp.sum((x @ w - x @ w_star) ** 2, axis=1))
     loss = lambda p: quad(p["a"]) + sensing(p["b"])
     p0 = {"a": jnp.zeros((16, 12)), "b": jnp.zeros((16, 12))}
-    p = _run(plumage(0.05, rank=3, refresh_every=10, **kwargs), loss, p0, 300)
-    assert float(quad(p["a"])) < tol * float(quad(p0["a"])), kwargs
-    assert float(sensing(p["b"])) < tol * float(sensing(p0["b"])), kwargs
+    make = lambda seed: plumage(0.05, rank=3, refresh_every=10, seed=seed, **kwargs)
+    ratios = lambda p: (quad(p["a"]) / quad(p0["a"]), sensing(p["b"]) / sensing(p0["b"]))
+    per_seed = _run(make, loss, ratios, p0, 300, jnp.arange(_SEEDS))
+    for name, ratio in zip(("quad", "sensing"), map(np.asarray, per_seed), strict=True):
+        assert len(np.unique(ratio)) > 1, (name, kwargs)  # the seeds do drive the sampling
+        quantiles = np.quantile(ratio, [0.1, 0.5, 0.9])
+        assert np.median(ratio) < tol, (name, kwargs, tol, quantiles)
 
 
 # --------------------------------------------------------------------- GaLore equivalence

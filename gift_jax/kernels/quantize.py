@@ -1,18 +1,28 @@
 """Pallas kernels of the quantized all-reduce's hot path, each beside its jnp reference.
 
-* :func:`quantize` — fused ``block absmax → scale → (stochastic) round → saturating cast →
-  uint8 bytes + row scales`` over a ``[rows, B]`` buffer.
-* :func:`dequantize_accumulate` — ``N`` received chunks ``[N, rows, bytes]`` → their fp32 sum,
-  added in the fixed order ``0, 1, …, N−1`` so that every backend and every replica produces the
-  same bits.
+* :func:`quantize_pallas` — fused ``row absmax → scale → (stochastic) round → saturating cast →
+  uint8 bytes + row scales`` over a ``[rows, B]`` buffer; reference :func:`quantize_reference`.
+* :func:`dequantize_accumulate_pallas` — ``N`` received chunks ``[N, rows, bytes]`` → their fp32
+  sum, added in the fixed order ``0, 1, …, N−1`` so that every backend and every replica
+  produces the same bits; reference :func:`dequantize_accumulate_reference`.
 
 The kernel bodies call the same pure element functions as the references
-(:func:`gift_jax.codecs.encode_rows` / :func:`~gift_jax.codecs.decode_rows`), so a kernel and its
-reference can only differ through lowering, which the tests check bit for bit (on CPU with
-``interpret=True``; compiled on GPU/TPU).
+(:func:`gift_jax.codecs.encode_row_parts` / :func:`~gift_jax.codecs.decode_row_parts`) on the
+column slices they load, so a kernel and its reference can only differ through lowering, which
+the tests check bit for bit (on CPU with ``platform="interpret"``).
 
-Backends: ``"xla"`` runs the reference (XLA fuses it well on every platform), ``"pallas"`` runs
-the kernel (interpreted on CPU), ``"auto"`` picks Pallas on GPU/TPU and XLA on CPU.
+Each kernel is one pass: every input byte is loaded once and every output byte stored once
+(``gift_jax.kernels.roofline`` counts the loads and stores in the lowered IR). The wire layout
+(:mod:`gift_jax.codecs`, "wire layout of a row") packs bytes without lane reshapes, so the
+bodies are plain loads, element-wise math, row reductions and stores, which lower through
+
+* ``platform="gpu"``: Pallas' Triton lowering, chosen explicitly with
+  ``pallas.triton.CompilerParams`` (registers only, no shared-memory tiles; tile shapes must be
+  powers of two, so per-block fp8 codecs with a block size that is not one do not build there);
+* ``platform="tpu"``: Mosaic TPU, with a ``parallel`` grid;
+* ``platform="interpret"``: the Pallas interpreter (CPU; tests).
+
+Which backend a collective uses is decided in :mod:`gift_jax.kernels.backend`.
 """
 
 from __future__ import annotations
@@ -23,28 +33,82 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gift_jax.codecs import Codec, decode_rows, encode_rows
+from gift_jax.codecs import (
+    Codec,
+    decode_row_parts,
+    decode_rows,
+    encode_row_parts,
+    encode_rows,
+    payload_planes,
+    row_parts,
+)
 
-BACKENDS = ("auto", "xla", "pallas")
-#: Rows per kernel tile (the wrappers pad ``rows`` up to a multiple of it).
-DEFAULT_BLOCK_ROWS = 256
+PLATFORMS = ("interpret", "gpu", "tpu")
 
-
-def resolve_backend(backend: str) -> str:
-    """``"xla"`` or ``"pallas"`` for a user setting (validated)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed values: {BACKENDS}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
-    return backend
-
-
-def _interpret() -> bool:
-    return jax.default_backend() not in ("gpu", "tpu")
+#: Elements per program (one row tile).
+TILE_ELEMENTS = {"gpu": 8192, "tpu": 65536, "interpret": 65536}
 
 
-def _tile_rows(rows: int, block_rows: int) -> int:
-    return max(1, min(block_rows, rows))
+def _compiler_params(platform: str):
+    if platform == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    if platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=("parallel",))
+    return None
+
+
+def tile_rows(rows: int, row_size: int, platform: str, block_rows: int | None = None) -> int:
+    """Rows per program: a power of two of about ``TILE_ELEMENTS[platform]`` elements (or
+    ``block_rows``), or all rows when there are fewer (rounded up to a power of two on GPU,
+    where Triton tiles must be one). The grid is ``ceil(rows / tile)``: nothing is padded;
+    the last tile is masked on GPU and clipped by Pallas elsewhere."""
+    target = block_rows or max(1, TILE_ELEMENTS[platform] // row_size)
+    target = 1 << (target.bit_length() - 1)
+    if rows >= target:
+        return target
+    return 1 << (rows - 1).bit_length() if platform == "gpu" else rows
+
+
+class _Tile:
+    """Loads and stores of one program's row tile: plain ref indexing, or on GPU, when the
+    rows do not fill the last tile, Triton loads and stores masked to the rows that exist."""
+
+    def __init__(self, rows: int, tr: int, platform: str):
+        self.masked = platform == "gpu" and rows % tr != 0
+        self.rows, self.tr = rows, tr
+
+    def _mask(self, shape):
+        row = pl.program_id(0) * self.tr + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        return row < self.rows
+
+    def load(self, ref, idx):
+        if not self.masked:
+            return ref[idx]
+        from jax.experimental.pallas import triton as pltriton
+
+        view = ref.at[idx]
+        return pltriton.load(view, mask=self._mask(view.shape[-2:]), other=0)
+
+    def store(self, ref, idx, value):
+        if not self.masked:
+            ref[idx] = value
+            return
+        from jax.experimental.pallas import triton as pltriton
+
+        pltriton.store(ref.at[idx], value, mask=self._mask(value.shape))
+
+    def load_parts(self, ref, n: int, lead=()):
+        """A ref's block as ``n`` column slices (one load each; no value slicing)."""
+        return [self.load(ref, (*lead, slice(None), s))
+                for s in _column_slices(ref.shape[-1], n)]
+
+    def store_parts(self, ref, parts):
+        for s, p in zip(_column_slices(ref.shape[-1], len(parts)), parts, strict=True):
+            self.store(ref, (slice(None), s), p)
 
 
 def _out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
@@ -56,12 +120,11 @@ def _out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
 
 
-def _pad_rows(a: jax.Array | None, rows: int, axis: int = 0):
-    if a is None or a.shape[axis] == rows:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, rows - a.shape[axis])
-    return jnp.pad(a, pad)
+def _column_slices(width: int, n: int) -> list[slice]:
+    if n == 1:
+        return [slice(None)]
+    w = width // n
+    return [slice(i * w, (i + 1) * w) for i in range(n)]
 
 
 # ---- quantize ------------------------------------------------------------------------------
@@ -72,59 +135,58 @@ def quantize_reference(x, codec: Codec, leaf_scale=None, rand_bits=None):
     return encode_rows(x, codec, leaf_scale, rand_bits)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "block_rows", "interpret"))
-def quantize_pallas(x, leaf_scale, rand_bits, *, codec: Codec, block_rows: int, interpret: bool):
-    """Pallas version of :func:`quantize_reference` (same arguments; ``None`` allowed)."""
+@functools.partial(jax.jit, static_argnames=("codec", "platform", "block_rows", "debug"))
+def quantize_pallas(x, leaf_scale, rand_bits, *, codec: Codec, platform: str,
+                    block_rows: int | None = None, debug: bool = False):
+    """Pallas version of :func:`quantize_reference` (same arguments; ``None`` allowed).
+
+    ``debug=True`` makes Pallas print the kernel's jaxpr and lowered module while lowering.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} is not supported; allowed values: {PLATFORMS}")
     rows, B = x.shape
-    tr = _tile_rows(rows, block_rows)
-    padded = -(-rows // tr) * tr
-    inputs = [_pad_rows(x, padded)]
+    tr = tile_rows(rows, B, platform, block_rows)
+    tile = _Tile(rows, tr, platform)
+    inputs = [x]
     specs = [pl.BlockSpec((tr, B), lambda i: (i, 0))]
     if leaf_scale is not None:
-        inputs.append(_pad_rows(leaf_scale, padded))
+        inputs.append(leaf_scale)
         specs.append(pl.BlockSpec((tr, 1), lambda i: (i, 0)))
     if rand_bits is not None:
-        inputs.append(_pad_rows(rand_bits, padded))
+        inputs.append(rand_bits)
         specs.append(pl.BlockSpec((tr, B), lambda i: (i, 0)))
     has_leaf, has_rand = leaf_scale is not None, rand_bits is not None
     scale_dtype = codec.row_scale_dtype
+    n_parts = row_parts(codec)
+    whole = (slice(None), slice(None))
 
     def kernel(*refs):
         it = iter(refs)
-        x_t = next(it)[...]
-        leaf_t = next(it)[...] if has_leaf else None
-        rand_t = next(it)[...] if has_rand else None
-        payload_ref = next(it)
-        payload, scale = encode_rows(x_t, codec, leaf_t, rand_t)
-        payload_ref[...] = payload
+        parts = tile.load_parts(next(it), n_parts)
+        leaf = tile.load(next(it), whole) if has_leaf else None
+        rand = tile.load_parts(next(it), n_parts) if has_rand else None
+        planes, scale = encode_row_parts(parts, codec, leaf, rand)
+        tile.store_parts(next(it), planes)
         if scale_dtype is not None:
-            next(it)[...] = scale
+            tile.store(next(it), whole, scale)
 
-    out_shape = [_out_struct((padded, codec.row_bytes), jnp.uint8, x)]
+    out_shape = [_out_struct((rows, codec.row_bytes), jnp.uint8, x)]
     out_specs = [pl.BlockSpec((tr, codec.row_bytes), lambda i: (i, 0))]
     if scale_dtype is not None:
-        out_shape.append(_out_struct((padded, 1), scale_dtype, x))
+        out_shape.append(_out_struct((rows, 1), scale_dtype, x))
         out_specs.append(pl.BlockSpec((tr, 1), lambda i: (i, 0)))
     outs = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(padded // tr,),
+        grid=(pl.cdiv(rows, tr),),
         in_specs=specs,
         out_specs=tuple(out_specs),
-        interpret=interpret,
+        interpret=platform == "interpret",
+        compiler_params=_compiler_params(platform),
+        debug=debug,
+        name=f"quantize_{codec.name}",
     )(*inputs)
-    payload = outs[0][:rows]
-    scale = outs[1][:rows] if scale_dtype is not None else None
-    return payload, scale
-
-
-def quantize(x, codec: Codec, leaf_scale=None, rand_bits=None, *, backend: str = "auto",
-             block_rows: int = DEFAULT_BLOCK_ROWS):
-    """Quantize ``x: f32[rows, B]`` with the chosen backend (see module docstring)."""
-    if resolve_backend(backend) == "xla":
-        return quantize_reference(x, codec, leaf_scale, rand_bits)
-    return quantize_pallas(x, leaf_scale, rand_bits, codec=codec, block_rows=block_rows,
-                           interpret=_interpret())
+    return outs[0], (outs[1] if scale_dtype is not None else None)
 
 
 # ---- dequantize and accumulate -------------------------------------------------------------
@@ -148,45 +210,66 @@ def dequantize_accumulate_reference(payload, codec: Codec, row_scale=None, leaf_
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "block_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("codec", "platform", "block_rows", "debug"))
 def dequantize_accumulate_pallas(payload, row_scale, leaf_scale, *, codec: Codec,
-                                 block_rows: int, interpret: bool):
-    """Pallas version of :func:`dequantize_accumulate_reference`."""
+                                 platform: str, block_rows: int | None = None,
+                                 debug: bool = False):
+    """Pallas version of :func:`dequantize_accumulate_reference`.
+
+    Each program loads its row tile of chunk ``n`` for ``n = 0 … N−1`` (one load per byte
+    plane and scale, nothing held beyond the running sum) and stores the sum once. The chunk
+    loop is unrolled: ``N`` is the data-axis size, so the kernel's code grows with it.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} is not supported; allowed values: {PLATFORMS}")
     N, rows, nbytes = payload.shape
     B = codec.row_size
-    tr = _tile_rows(rows, block_rows)
-    padded = -(-rows // tr) * tr
-    inputs = [_pad_rows(payload, padded, axis=1)]
+    tr = tile_rows(rows, B, platform, block_rows)
+    tile = _Tile(rows, tr, platform)
+    inputs = [payload]
     specs = [pl.BlockSpec((N, tr, nbytes), lambda i: (0, i, 0))]
     for extra in (row_scale, leaf_scale):
         if extra is not None:
-            inputs.append(_pad_rows(extra, padded, axis=1))
+            inputs.append(extra)
             specs.append(pl.BlockSpec((N, tr, 1), lambda i: (0, i, 0)))
     has_row, has_leaf = row_scale is not None, leaf_scale is not None
+    n_planes = payload_planes(codec)
 
     def kernel(*refs):
         it = iter(refs)
-        p_t = next(it)[...]
-        r_t = next(it)[...] if has_row else None
-        l_t = next(it)[...] if has_leaf else None
+        p_ref = next(it)
+        r_ref = next(it) if has_row else None
+        l_ref = next(it) if has_leaf else None
         out_ref = next(it)
-        out_ref[...] = dequantize_accumulate_reference(p_t, codec, r_t, l_t)
 
-    out = pl.pallas_call(
+        def term(n):
+            return decode_row_parts(
+                tile.load_parts(p_ref, n_planes, lead=(n,)),
+                None if r_ref is None else tile.load(r_ref, (n, slice(None), slice(None))),
+                codec,
+                None if l_ref is None else tile.load(l_ref, (n, slice(None), slice(None))),
+            )
+
+        acc = term(0)
+        for n in range(1, N):  # unrolled like the reference, so XLA contracts them alike
+            acc = [a + t for a, t in zip(acc, term(n), strict=True)]
+        tile.store_parts(out_ref, acc)
+
+    return pl.pallas_call(
         kernel,
-        out_shape=_out_struct((padded, B), jnp.float32, payload),
-        grid=(padded // tr,),
+        out_shape=_out_struct((rows, B), jnp.float32, payload),
+        grid=(pl.cdiv(rows, tr),),
         in_specs=specs,
         out_specs=pl.BlockSpec((tr, B), lambda i: (i, 0)),
-        interpret=interpret,
+        interpret=platform == "interpret",
+        compiler_params=_compiler_params(platform),
+        debug=debug,
+        name=f"dequantize_accumulate_{codec.name}",
     )(*inputs)
-    return out[:rows]
 
 
-def dequantize_accumulate(payload, codec: Codec, row_scale=None, leaf_scale=None, *,
-                          backend: str = "auto", block_rows: int = DEFAULT_BLOCK_ROWS):
-    """Sum of ``N`` received chunks in fp32 with the chosen backend."""
-    if resolve_backend(backend) == "xla":
-        return dequantize_accumulate_reference(payload, codec, row_scale, leaf_scale)
-    return dequantize_accumulate_pallas(payload, row_scale, leaf_scale, codec=codec,
-                                        block_rows=block_rows, interpret=_interpret())
+#: The kernels by name, with their references (used by the backend probe and the tests).
+KERNELS = {
+    "quantize": (quantize_pallas, quantize_reference),
+    "dequantize_accumulate": (dequantize_accumulate_pallas, dequantize_accumulate_reference),
+}

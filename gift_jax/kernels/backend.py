@@ -1,0 +1,156 @@
+"""Which implementation of the hot path runs: the Pallas kernel or its XLA reference.
+
+Settings (``backend=`` of :func:`gift_jax.allreduce` and the collectives):
+
+* ``"xla"`` — the jnp reference (XLA fuses it well on every platform);
+* ``"pallas"`` — the kernel, compiled for the device at hand (interpreted on CPU); a kernel
+  that cannot be built there raises;
+* ``"auto"`` (default) — the kernel on GPU/TPU, the reference on CPU. Before a kernel is used
+  for a ``(kernel, codec, shapes, platform)`` combination it is built once on its own (lowered,
+  and compiled when the platform is the one this process runs on); if that fails, the XLA
+  path is used instead, with one warning naming the kernel, the codec and the reason. So
+  ``"auto"`` never crashes on a platform or codec a kernel does not support.
+
+:func:`lowering_error` is the same check for any platform, from any host: it lowers through
+``jax.export`` for ``cuda`` or ``tpu`` (the same Pallas lowering ``jax.jit`` runs on that device;
+the Triton/Mosaic compile that follows on a device is not covered). The tests use it to prove
+every kernel of every codec lowers for both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import jax
+
+from gift_jax.codecs import Codec
+from gift_jax.kernels.quantize import KERNELS
+
+BACKENDS = ("auto", "xla", "pallas")
+#: jax.export platform names of the kernel platforms.
+EXPORT_PLATFORMS = {"gpu": "cuda", "tpu": "tpu"}
+#: Devices assumed when lowering for a platform this host lacks (Triton on jax ≥ 0.12 and some
+#: Mosaic TPU lowerings ask which chip they target).
+DEFAULT_DEVICE_KIND = {"gpu": "NVIDIA H100", "tpu": "TPU v5p"}
+
+
+def resolve_backend(backend: str) -> str:
+    """Validate a ``backend`` setting; returns it unchanged."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values: {BACKENDS}")
+    return backend
+
+
+def _host_platform() -> str:
+    p = jax.default_backend()
+    return p if p in ("gpu", "tpu") else "interpret"
+
+
+def device_platform() -> str:
+    """The kernel platform of the default backend: ``"gpu"``, ``"tpu"``, or ``"interpret"``
+    (anything else)."""
+    return _host_platform()
+
+
+def _abstract_device_context(platform: str, device_kind: str):
+    """Tell jax which chip to lower for when this host has none."""
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
+                                         platform=platform)
+    mesh = jax.sharding.AbstractMesh((1,), ("_kernel",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def export_kernel(kind: str, codec: Codec, avals, platform: str, *,
+                  device_kind: str | None = None, **static):
+    """``jax.export`` of one kernel for ``platform`` ("gpu" → cuda, "tpu") on abstract args,
+    lowered for the chip ``device_kind`` (default :data:`DEFAULT_DEVICE_KIND`).
+
+    Only the custom-call serialization checks are disabled (a kernel's custom call has no
+    cross-version compatibility guarantee, which does not matter for a lowering check).
+    """
+    fn = functools.partial(KERNELS[kind][0], codec=codec, platform=platform, **static)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in ("triton_kernel_call", "tpu_custom_call", "__gpu$xla.gpu.triton")]
+    device_kind = device_kind or DEFAULT_DEVICE_KIND[platform]
+    with _abstract_device_context(platform, device_kind), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # jax ≥ 0.12: Triton deprecated
+        return jax.export.export(jax.jit(fn), platforms=[EXPORT_PLATFORMS[platform]],
+                                 disabled_checks=checks)(*avals)
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+@functools.cache
+def _build_error(kind: str, codec: Codec, avals: tuple, platform: str) -> str | None:
+    try:
+        if platform == _host_platform():
+            fn = functools.partial(KERNELS[kind][0], codec=codec, platform=platform)
+            jax.jit(fn).lower(*avals).compile()
+        else:
+            export_kernel(kind, codec, avals, platform)
+    except Exception as e:  # any failure to build means: use the XLA path
+        return _reason(e)
+    return None
+
+
+def _aval(a):
+    return None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def lowering_error(kind: str, codec: Codec, args, platform: str) -> str | None:
+    """``None`` if kernel ``kind`` builds for ``platform`` on arguments shaped like ``args``,
+    else the reason (cached per combination)."""
+    return _build_error(kind, codec, tuple(_aval(a) for a in args), platform)
+
+
+_warned: set = set()
+
+
+def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = None) -> str:
+    """``"pallas"`` or ``"xla"`` for one call of kernel ``kind`` (see the module docstring)."""
+    resolve_backend(backend)
+    platform = platform or device_platform()
+    if backend == "xla" or (backend == "auto" and platform == "interpret"):
+        return "xla"
+    if backend == "pallas":
+        return "pallas"
+    reason = lowering_error(kind, codec, args, platform)
+    if reason is None:
+        return "pallas"
+    key = (kind, codec, platform)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"gift_jax: the Pallas kernel {kind!r} does not build for codec {codec.name!r}"
+            f" (block_size={codec.block_size}) on {platform}; using the XLA path instead."
+            f" Reason: {reason}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "xla"
+
+
+def quantize(x, codec: Codec, leaf_scale=None, rand_bits=None, *, backend: str = "auto"):
+    """Quantize ``x: f32[rows, B]`` (see :func:`gift_jax.kernels.quantize.quantize_reference`)."""
+    kernel, reference = KERNELS["quantize"]
+    args = (x, leaf_scale, rand_bits)
+    if choose(backend, "quantize", codec, args) == "xla":
+        return reference(x, codec, leaf_scale, rand_bits)
+    return kernel(*args, codec=codec, platform=device_platform())
+
+
+def dequantize_accumulate(payload, codec: Codec, row_scale=None, leaf_scale=None, *,
+                          backend: str = "auto"):
+    """Fixed-order fp32 sum of ``N`` received chunks (see the reference's docstring)."""
+    kernel, reference = KERNELS["dequantize_accumulate"]
+    args = (payload, row_scale, leaf_scale)
+    if choose(backend, "dequantize_accumulate", codec, args) == "xla":
+        return reference(payload, codec, row_scale, leaf_scale)
+    return kernel(*args, codec=codec, platform=device_platform())
