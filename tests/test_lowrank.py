@@ -363,9 +363,11 @@ def test_inject_hyperparams_static_integer_settings_and_bf16_dtypes():
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True):
         assert a.dtype == jnp.bfloat16 and a.shape == b.shape
         assert bool(jnp.all(jnp.isfinite(a)))
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(_state(state).mu))
-    assert _state(state).mu["attn"].shape == (1, 2, 8)  # (embed, heads·head_dim) = (8, 8)
-    assert _state(state).mu["wide"].shape == (1, 2, 4)  # right side: (4, 24) → oriented (24, 4)
+    leaves = _state(state).leaves
+    mus = jax.tree.leaves(leaves, is_leaf=lambda x: isinstance(x, LeafState))
+    assert all(x.mu.dtype == jnp.float32 for x in mus)
+    assert leaves["attn"].mu.shape == (1, 2, 8)  # (embed, heads·head_dim) = (8, 8)
+    assert leaves["wide"].mu.shape == (1, 2, 4)  # right side: (4, 24) → oriented (24, 4)
     # The stage itself returns updates in the gradient dtype (shape check by tracing only).
     stage = scale_by_plumage(2, 2, weight_dimension_numbers=_DIMS)
     out, _ = jax.eval_shape(stage.update, params, stage.init(params))
