@@ -48,6 +48,8 @@ the factor to whiten R with is MᵀAM.  Build with ``projected_dim=k`` and pass
 ``gift_projection={path: M}`` (shape ``batch + (n, k)``, identical on every replica) together
 with ``gift_stats`` on each refresh; the EMA keeps A (n×n) in the layer's own coordinates and the
 projection is applied when the factor is built, so refresh GIFT whenever the projection changes.
+``init`` sees only the (k × out) coordinates; the projecting stage tells the state the layers'
+real input widths through :meth:`GiftState.with_input_widths` (found by duck typing, no import).
 
 Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals).
 A refresh changes W, so the stage re-expresses each replica's residual in the new frame,
