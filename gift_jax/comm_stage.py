@@ -122,6 +122,13 @@ def allreduce(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def leaf_path(path: Any) -> str:
+    """A parameter's path as stages name it: the '/'-joined pytree keys, with a trailing Flax
+    ``Variable`` 'value' key dropped (e.g. ``layers/3/mlp/down_proj/kernel``)."""
+    s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+    return s[: -len("/value")] if s.endswith("/value") else s
+
+
 def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
     """Zero the error-feedback residuals of every :class:`AllReduceState` in ``state``
     (found anywhere: inside ``optax.chain``, GIFT's ``inner_state``, PLUMAGE's comm state).

@@ -48,6 +48,8 @@ the factor to whiten R with is MᵀAM.  Build with ``projected_dim=k`` and pass
 ``gift_projection={path: M}`` (shape ``batch + (n, k)``, identical on every replica) together
 with ``gift_stats`` on each refresh; the EMA keeps A (n×n) in the layer's own coordinates and the
 projection is applied when the factor is built, so refresh GIFT whenever the projection changes.
+``init`` sees only the (k × out) coordinates; the projecting stage tells the state the layers'
+real input widths through :meth:`GiftState.with_input_widths` (found by duck typing, no import).
 
 Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals).
 A refresh changes W, so the stage re-expresses each replica's residual in the new frame,
@@ -70,7 +72,7 @@ import optax
 
 from gift_jax import whitening as wh
 from gift_jax.batching import map_matrices_grouped
-from gift_jax.comm_stage import AllReduceState, allreduce_axis
+from gift_jax.comm_stage import AllReduceState, allreduce_axis, leaf_path
 
 __all__ = [
     "GiftDimensionNumbers",
@@ -106,16 +108,31 @@ class GiftState(NamedTuple):
     factors: dict[str, Any]  # path -> factor pytree, every leaf with a leading (B,) axis
     inner_state: Any  # state of the wrapped all-reduce stage
 
+    # Projection hook.  A stage before GIFT that sends projected coordinates R = MᵀG (PLUMAGE)
+    # finds every GiftState in its communication state by these two members (no import of
+    # this module) and tells it the layers' real input widths once, right after ``init``.
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Paths of the whitened layers (static)."""
+        return tuple(sorted(self.stats))
+
+    def with_input_widths(self, widths: Mapping[str, int]) -> GiftState:
+        """This state for coordinates ``R = MᵀG`` of layers whose input width is ``widths[path]``.
+
+        ``init`` saw only the ``(k, out)`` coordinates, so it sized the statistics ``k × k``;
+        the EMA of ``A = E[xxᵀ]`` lives in the layer's own input coordinates (``n × n``; the
+        projection ``M`` is applied when the factor is built, see ``gift_projection``)."""
+        if set(widths) != set(self.stats):
+            raise ValueError(f"gift: input widths given for {sorted(widths)}, but the stage "
+                             f"whitens {sorted(self.stats)}")
+        stats = {path: jnp.zeros((a.shape[0], widths[path], widths[path]), a.dtype)
+                 for path, a in self.stats.items()}
+        return self._replace(stats=stats)
+
 
 def refresh_due(step: int, refresh_every: int) -> bool:
     """Host-side schedule: refresh (pass ``gift_stats``) on steps 0, K, 2K, ..."""
     return step % refresh_every == 0
-
-
-def leaf_path(path: Sequence[Any]) -> str:
-    """'/'-joined pytree path with a trailing Flax ``Variable`` 'value' key dropped."""
-    s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-    return s[: -len("/value")] if s.endswith("/value") else s
 
 
 def _matches(path: str, pattern: str) -> bool:

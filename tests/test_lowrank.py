@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from gift_jax.lowrank import (
     AdaptiveRefresh,
+    LeafState,
     LowRankDimensionNumbers,
     PlumageState,
     expected_squared_error,
@@ -257,7 +258,7 @@ def test_transform_realigns_moments_when_subspace_order_changes(realign):
     update = jax.jit(opt.update)
     _, st1 = update({"w": g1}, st)
     _, st2 = update({"w": g2}, st1)
-    full = lambda s: jnp.einsum("bmk,bkn->bmn", s.projector["w"], s.mu["w"])[0]
+    full = lambda s: jnp.einsum("bmk,bkn->bmn", s.leaves["w"].projector, s.leaves["w"].mu)[0]
     expected = 0.5 * full(st1) + 0.5 * g2
     close = np.allclose(full(st2), expected, atol=1e-5)
     assert close == realign
@@ -279,8 +280,8 @@ def test_new_directions_get_their_own_bias_correction():
     for _ in range(10):
         _, st = update({"w": ga}, st)
     u, st = update({"w": gb}, st)
-    np.testing.assert_allclose(st.mu_mass["w"], 0.1, rtol=1e-5)  # one step of mass
-    x = np.abs(np.asarray(jnp.einsum("mk,mn->kn", st.projector["w"][0], u["w"])))
+    np.testing.assert_allclose(st.leaves["w"].mu_mass, 0.1, rtol=1e-5)  # one step of mass
+    x = np.abs(np.asarray(jnp.einsum("mk,mn->kn", st.leaves["w"].projector[0], u["w"])))
     # Adam's first step is ±1 per coordinate; the global correction would give ≈ 0.48 here.
     np.testing.assert_allclose(x, 1.0, atol=1e-3)
 
@@ -333,11 +334,11 @@ def test_jit_no_recompile_shapes_and_layouts():
         p, state = step(p, state)
     assert len(traces) == 1
     st = _state(state)
-    assert st.mu["dense"]["kernel"].shape == (1, 2, 8)  # left side: 16 ≥ 8
-    assert st.mu["attn"].shape == (8, 2, 4)  # masked out: dense Adam
-    assert st.mu["wide"].shape == (4, 24)
-    assert st.projector["wide"].shape == (0,)
-    assert st.mu["dense"]["bias"].shape == (8,)
+    assert st.leaves["dense"]["kernel"].mu.shape == (1, 2, 8)  # left side: 16 ≥ 8
+    assert st.leaves["attn"].mu.shape == (8, 2, 4)  # masked out: dense Adam
+    assert st.leaves["wide"].mu.shape == (4, 24)
+    assert st.leaves["wide"].projector.shape == (0,)
+    assert st.leaves["dense"]["bias"].mu.shape == (8,)
     assert int(st.count) == 4 and int(st.refreshes) == 2
     assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.all(jnp.isfinite(x))), p))
 
@@ -362,9 +363,11 @@ def test_inject_hyperparams_static_integer_settings_and_bf16_dtypes():
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True):
         assert a.dtype == jnp.bfloat16 and a.shape == b.shape
         assert bool(jnp.all(jnp.isfinite(a)))
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(_state(state).mu))
-    assert _state(state).mu["attn"].shape == (1, 2, 8)  # (embed, heads·head_dim) = (8, 8)
-    assert _state(state).mu["wide"].shape == (1, 2, 4)  # right side: (4, 24) → oriented (24, 4)
+    leaves = _state(state).leaves
+    mus = jax.tree.leaves(leaves, is_leaf=lambda x: isinstance(x, LeafState))
+    assert all(x.mu.dtype == jnp.float32 for x in mus)
+    assert leaves["attn"].mu.shape == (1, 2, 8)  # (embed, heads·head_dim) = (8, 8)
+    assert leaves["wide"].mu.shape == (1, 2, 4)  # right side: (4, 24) → oriented (24, 4)
     # The stage itself returns updates in the gradient dtype (shape check by tracing only).
     stage = scale_by_plumage(2, 2, weight_dimension_numbers=_DIMS)
     out, _ = jax.eval_shape(stage.update, params, stage.init(params))
@@ -396,7 +399,7 @@ def test_tree_map_params_over_state():
         opt, lambda x: jnp.zeros_like(x), state, transform_non_params=lambda x: x
     )
     assert jax.tree.structure(mapped) == jax.tree.structure(state)
-    assert float(jnp.abs(_state(mapped).projector["dense"]["kernel"]).max()) == 0.0
+    assert float(jnp.abs(_state(mapped).leaves["dense"]["kernel"].projector).max()) == 0.0
 
 
 # ------------------------------------------------------------------------------ convergence
@@ -589,7 +592,8 @@ def test_refresh_svds_spread_over_replicas_match_replicated():
         _, s_all = step(params, state, grads)
         for leaf in jax.tree.leaves(s_all):
             assert np.array_equal(np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape))
-        results[axis] = (jax.tree.map(lambda x: np.asarray(x[0]), s_all.projector),
+        results[axis] = (jax.tree.map(lambda x: np.asarray(x.projector[0]), s_all.leaves,
+                                      is_leaf=lambda x: isinstance(x, LeafState)),
                          step.lower(params, state, grads).compile().as_text())
     for a, b in zip(jax.tree.leaves(results[None][0]), jax.tree.leaves(results["data"][0]),
                     strict=True):
@@ -616,7 +620,7 @@ def test_communicate_routing_state_slots_and_extra_kwargs():
     np.testing.assert_allclose(s.refresh_comm_state["w"], 2 * g["w"])  # full tree reduced
     assert float(jnp.abs(s.comm_state["w"]).max()) == 0.0  # projected slot untouched
     _, s = jax.jit(functools.partial(opt.update, plumage_refresh=False, factor=3.0))(g, s)
-    coords = (s.projector["w"][0].T @ g["w"]) / s.probs["w"][0][:, None]
+    coords = (s.leaves["w"].projector[0].T @ g["w"]) / s.leaves["w"].probs[0][:, None]
     np.testing.assert_allclose(s.comm_state["w"], 3 * coords, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s.comm_state["b"], 3 * g["b"])
 
@@ -650,13 +654,13 @@ def test_nonfinite_gradient_at_refresh_keeps_projection():
     s = opt.init(g)
     _, s = update(g, s)
     _, s = update(g, s)
-    proj_before = s.projector["w"]
+    proj_before = s.leaves["w"].projector
     bad = {"w": g["w"].at[0, 0].set(jnp.nan)}
     _, s_bad = update(bad, s)  # count 2: a refresh step
     assert int(s_bad.skipped_refreshes) == 1
-    np.testing.assert_array_equal(s_bad.projector["w"], proj_before)
-    assert bool(jnp.all(jnp.isfinite(s_bad.projector["w"])))
-    assert bool(jnp.all(jnp.isfinite(s_bad.probs["w"])))
+    np.testing.assert_array_equal(s_bad.leaves["w"].projector, proj_before)
+    assert bool(jnp.all(jnp.isfinite(s_bad.leaves["w"].projector)))
+    assert bool(jnp.all(jnp.isfinite(s_bad.leaves["w"].probs)))
 
 
 def test_resampling_changes_subset_without_refresh():
@@ -668,9 +672,9 @@ def test_resampling_changes_subset_without_refresh():
     projs = []
     for _ in range(6):
         _, s = update(g, s)
-        projs.append(np.asarray(s.projector["w"][0]))
+        projs.append(np.asarray(s.leaves["w"].projector[0]))
         # Every projector is a set of columns of the stored SVD basis.
-        coef = np.abs(np.asarray(s.basis["w"][0]).T @ projs[-1])
+        coef = np.abs(np.asarray(s.leaves["w"].basis[0]).T @ projs[-1])
         np.testing.assert_allclose(np.sort(coef, axis=0)[-1], 1.0, atol=1e-5)
     assert int(s.refreshes) == 1
     assert any(not np.allclose(projs[0], q) for q in projs[1:])
@@ -696,10 +700,10 @@ def test_stacked_layers_get_independent_projections():
     opt = scale_by_plumage(2, 5, strategy="galore",
                            weight_dimension_numbers={"w": LowRankDimensionNumbers(1, 2)})
     u, s = jax.jit(opt.update)({"w": w}, opt.init({"w": w}))
-    assert u["w"].shape == w.shape and s.projector["w"].shape == (3, 10, 2)
+    assert u["w"].shape == w.shape and s.leaves["w"].projector.shape == (3, 10, 2)
     for i in range(3):
         top = np.linalg.svd(np.asarray(w[i]))[0][:, :2]
-        overlap = np.abs(top.T @ np.asarray(s.projector["w"][i])).sum(0)
+        overlap = np.abs(top.T @ np.asarray(s.leaves["w"].projector[i])).sum(0)
         np.testing.assert_allclose(overlap, 1.0, atol=1e-4)
 
 

@@ -90,7 +90,8 @@ def test_error_feedback_tracks_projected_coordinates_between_refreshes():
         sent = true = 0.0
         for g in grads:
             _, state = step(params, state, g, None)
-            p, d = np.asarray(state.projector["w"][0]), np.asarray(state.probs["w"][0])
+            leaf = state.leaves["w"]
+            p, d = np.asarray(leaf.projector[0]), np.asarray(leaf.probs[0])
             true = true + (p.T @ np.asarray(g["w"]).mean(0)) / d[:, None]
             sent = sent + np.asarray(state.comm_state[1]["w"])
         errors[ef] = np.linalg.norm(sent - true)
@@ -171,8 +172,8 @@ def test_gift_refresh_resets_residuals_and_builds_projected_factor():
     assert int(gs.refreshes) == 2
     # The last refresh's factor is that of MᵀĀM, M = P·D⁻¹ of the *new* projection.
     a = np.asarray(stats_at[3][KERNEL]).mean(0)
-    m = np.asarray(state.projector["mlp"]["down_proj"]["kernel"][0]) / np.asarray(
-        state.probs["mlp"]["down_proj"]["kernel"][0])[None, :]
+    m = np.asarray(state.leaves["mlp"]["down_proj"]["kernel"].projector[0]) / np.asarray(
+        state.leaves["mlp"]["down_proj"]["kernel"].probs[0])[None, :]
     ema = np.asarray(gs.stats[KERNEL][0])
     assert np.all(np.isfinite(ema)) and not np.allclose(ema, a)  # EMA of two refreshes
     want, _ = wh.make_factor(jnp.asarray(m.T @ ema @ m), "full_symmetric", damping=1e-3)

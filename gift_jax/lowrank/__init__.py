@@ -22,6 +22,7 @@ from gift_jax.lowrank.estimator import (
 from gift_jax.lowrank.layout import LeafLayout, LowRankDimensionNumbers, mask_excluding
 from gift_jax.lowrank.transform import (
     AdaptiveRefresh,
+    LeafState,
     PlumageState,
     find_plumage_state,
     plumage,
@@ -32,6 +33,7 @@ from gift_jax.lowrank.transform import (
 __all__ = [
     "AdaptiveRefresh",
     "LeafLayout",
+    "LeafState",
     "LowRankDimensionNumbers",
     "PlumageState",
     "expected_squared_error",
