@@ -1,8 +1,9 @@
 """Base configuration: every setting of a run, with defaults; model configs override it.
 
 A run is base + model config + experiment overrides + command-line overrides, e.g.
-``--config=configs/tiny.py --config.comm.mode=gift_fp8``. The ``model`` group holds exactly the
-fields of ``gift_jax.models.LlamaConfig`` (build it with ``LlamaConfig.from_mapping``).
+``--config=configs/tiny.py --config.comm.codec=fp8_e4m3 --config.comm.method=gift``. The
+``model`` group holds exactly the fields of ``gift_jax.models.LlamaConfig`` (build it with
+``LlamaConfig.from_mapping``).
 
 The defaults are the ``tiny`` byte-level model (vocab 256; 857,216 parameters).
 """
@@ -69,8 +70,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ------------------------------------------------------------------ gradient communication
     comm = config.comm = ml_collections.ConfigDict()
-    comm.mode = "fp32"  # "fp32" | "bf16" | "fp8" | "gift_fp8" | "plumage"
-    comm.codec = "fp8_e4m3"  # low-precision codec: "fp8_e4m3" | "fp8_e5m2" | "mxfp8" | "nvfp4"
+    # wire format: "fp32" | "bf16" | "fp8_e4m3" | "fp8_e5m2" | "mxfp8" | "nvfp4"
+    comm.codec = "fp32"
+    # what runs around the all-reduce: "none" | "gift" (gift.*) | "plumage" (plumage.*)
+    comm.method = "none"
     comm.scaling = "tensor"  # scale granularity: "tensor" | "block"
     comm.block_size = 128  # elements per scale when scaling == "block"
     comm.stochastic_rounding = False  # unbiased rounding in the quantizer

@@ -46,8 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.eval_every = 1000  # steps between evaluations
     config.train.checkpoint_every = 5000  # steps between checkpoints
 
-    config.comm.mode = "gift_fp8"  # the paper's method
     config.comm.codec = "fp8_e5m2"  # the artifact's format
+    config.comm.method = "gift"  # the paper's method
     config.gift.layers = ("*/mlp/down_proj",)  # candidates: every fc2 (= down_proj)
     config.gift.rank = 32  # rank of A
     config.gift.refresh_every = 50  # K

@@ -44,7 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.eval_every = 1000  # steps between evaluations
     config.train.checkpoint_every = 2000  # steps between checkpoints
 
-    config.comm.mode = "plumage"  # communicate the projected gradient
+    config.comm.codec = "fp8_e4m3"  # wire format of the projected gradient
+    config.comm.method = "plumage"  # communicate the projected gradient
     config.plumage.projector = "plumage"  # "galore" reproduces the baseline
     config.plumage.rank = 128  # projection rank
     config.plumage.refresh_every = 200  # GaLore's update_proj_gap

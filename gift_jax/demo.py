@@ -1,6 +1,10 @@
 """The README demo: the tiny Llama on 8 data-parallel devices, trained from the same seed with
 each communication mode, compared in one table and one loss-curve plot.
 
+A demo mode is a label for a ``(comm.codec, comm.method)`` pair (:data:`DEMO_SETTINGS`); the
+low-precision modes use the config file's codec when it sets a low-precision one (``tiny``
+does not: FP8 e4m3).
+
 Columns: final eval loss; wire bytes per step relative to the fp32 all-reduce (from each run's
 compiled HLO); the one-step round-trip error of the run's reduction against the fp32 mean at
 the last diagnostic step (relative L2 in the Euclidean frame, and in the whitened frame where
@@ -17,16 +21,34 @@ import shutil
 from gift_jax.training import train
 from gift_jax.training.config import apply_overrides, complete_config
 
-DEMO_MODES = ("fp32", "fp8", "gift_fp8", "plumage")
+#: Demo mode label → ``(comm.codec, comm.method)``; codec ``None``: the config file's
+#: low-precision codec, else :data:`DEFAULT_LOW_PRECISION_CODEC`.
+DEMO_SETTINGS = {
+    "fp32": ("fp32", "none"),  # the exact fp32 all-reduce
+    "fp8": (None, "none"),  # Euclidean FP8 (e4m3, per tensor)
+    "gift_fp8": (None, "gift"),  # GIFT-whitened FP8
+    "plumage": (None, "plumage"),  # PLUMAGE's projected coordinates in FP8
+}
+DEFAULT_LOW_PRECISION_CODEC = "fp8_e4m3"
+DEMO_MODES = tuple(DEMO_SETTINGS)
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
 def demo_config(mode: str, steps: int, config_file: str | os.PathLike | None = None):
-    """The tiny config with ``comm.mode=mode`` and a short schedule."""
-    config = runpy.run_path(str(config_file or CONFIGS / "tiny.py"))["get_config"]()
+    """The tiny config with the ``(comm.codec, comm.method)`` of demo mode ``mode`` and a
+    short schedule."""
+    if mode not in DEMO_SETTINGS:
+        raise ValueError(f"demo mode {mode!r} is not one of {', '.join(DEMO_MODES)}")
+    codec, method = DEMO_SETTINGS[mode]
+    config = complete_config(
+        runpy.run_path(str(config_file or CONFIGS / "tiny.py"))["get_config"]())
+    if codec is None:
+        codec = config.comm.codec
+        if codec in ("fp32", "bf16"):
+            codec = DEFAULT_LOW_PRECISION_CODEC
     every = max(1, steps // 4)
-    return apply_overrides(complete_config(config), [
-        ("comm.mode", mode), ("train.num_steps", str(steps)),
+    return apply_overrides(config, [
+        ("comm.codec", codec), ("comm.method", method), ("train.num_steps", str(steps)),
         ("optimizer.warmup_steps", str(max(1, steps // 10))),
         ("train.eval_every", str(every)), ("train.log_every", str(max(1, steps // 20))),
         ("train.checkpoint_every", "0"), ("train.diagnostics_every", str(every)),

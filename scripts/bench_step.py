@@ -4,13 +4,17 @@ Two comparisons on the trainer's own compiled step (forward, backward, data-para
 reduction, optimizer) over 8 simulated CPU devices when there is no accelerator, timed
 interleaved (:func:`gift_jax.training.timing.step_times`):
 
-* ``gift``: comm.mode ``fp8`` (Euclidean FP8 all-reduce) vs ``gift_fp8`` — ordinary-step ratio
+* ``gift``: ``fp8`` (comm.method ``none``: Euclidean FP8 all-reduce) vs ``gift_fp8``
+  (comm.method ``gift``) — ordinary-step ratio
   (goal <= 1.05) and the refresh step's extra time amortised over K.
-* ``lowrank``: PLUMAGE vs GaLore projector (comm.mode ``plumage``) — ordinary-step ratio
+* ``lowrank``: PLUMAGE vs GaLore projector (comm.method ``plumage``) — ordinary-step ratio
   (goal <= 1.05) and refresh steps.
 * ``gift_spread`` / ``plumage_spread``: refresh steps with the per-layer decompositions spread
   over the replicas (``comm.distribute_refresh=true``, the default) vs every replica
   computing all of them.
+
+Every configuration communicates in the config's low-precision ``comm.codec`` (``fp8_e4m3``
+when the config sets ``fp32`` or ``bf16``, as ``tiny`` does).
 
     python scripts/bench_step.py --out /tmp/bench_step
     python scripts/bench_step.py --compare gift --config tiny --repeats 30 --out /tmp/x
@@ -32,17 +36,21 @@ from gift_jax.training.config import apply_overrides, complete_config  # noqa: E
 from gift_jax.training.mesh import make_mesh  # noqa: E402
 from gift_jax.training.timing import step_times  # noqa: E402
 
+# ("comm.codec", None): the config's low-precision codec (fp8_e4m3 when it sets fp32 or bf16)
+FP8 = [("comm.codec", None), ("comm.method", "none")]
+GIFT_FP8 = [("comm.codec", None), ("comm.method", "gift")]
+PLUMAGE_FP8 = [("comm.codec", None), ("comm.method", "plumage")]
 COMPARISONS = {
-    "gift": ("fp8", {"fp8": [("comm.mode", "fp8")], "gift_fp8": [("comm.mode", "gift_fp8")]}),
+    "gift": ("fp8", {"fp8": FP8, "gift_fp8": GIFT_FP8}),
     "lowrank": ("galore", {
-        "galore": [("comm.mode", "plumage"), ("plumage.projector", "galore")],
-        "plumage": [("comm.mode", "plumage"), ("plumage.projector", "plumage")]}),
+        "galore": [*PLUMAGE_FP8, ("plumage.projector", "galore")],
+        "plumage": [*PLUMAGE_FP8, ("plumage.projector", "plumage")]}),
     "gift_spread": ("gift_fp8 replicated", {
-        "gift_fp8 replicated": [("comm.mode", "gift_fp8"), ("comm.distribute_refresh", "false")],
-        "gift_fp8 spread": [("comm.mode", "gift_fp8"), ("comm.distribute_refresh", "true")]}),
+        "gift_fp8 replicated": [*GIFT_FP8, ("comm.distribute_refresh", "false")],
+        "gift_fp8 spread": [*GIFT_FP8, ("comm.distribute_refresh", "true")]}),
     "plumage_spread": ("plumage replicated", {
-        "plumage replicated": [("comm.mode", "plumage"), ("comm.distribute_refresh", "false")],
-        "plumage spread": [("comm.mode", "plumage"), ("comm.distribute_refresh", "true")]}),
+        "plumage replicated": [*PLUMAGE_FP8, ("comm.distribute_refresh", "false")],
+        "plumage spread": [*PLUMAGE_FP8, ("comm.distribute_refresh", "true")]}),
 }
 
 
@@ -80,7 +88,11 @@ def main(argv=None):
         if name not in COMPARISONS:
             raise SystemExit(f"--compare: unknown {name!r}; allowed: {', '.join(COMPARISONS)}")
         baseline, variants = COMPARISONS[name]
-        configs = {label: apply_overrides(base_config, ov) for label, ov in variants.items()}
+        codec = base_config.comm.codec
+        codec = "fp8_e4m3" if codec in ("fp32", "bf16") else codec
+        configs = {label: apply_overrides(base_config, [(k, codec if v is None else v)
+                                                        for k, v in ov])
+                   for label, ov in variants.items()}
         rows = step_times(configs, mesh, repeats=args.repeats,
                           refresh_repeats=args.refresh_repeats)
         base = next(r for r in rows if r["config"] == baseline)

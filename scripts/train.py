@@ -1,9 +1,12 @@
 """Train a Llama data-parallel with faithful low-precision gradient communication.
 
     python scripts/train.py --config configs/tiny.py --workdir /tmp/run \
-        --config.comm.mode=gift_fp8 --config.train.num_steps=100 [--resume]
+        --config.comm.codec=fp8_e4m3 --config.comm.method=gift --config.train.num_steps=100 \
+        [--resume]
 
-Any config field can be overridden with ``--config.<group>.<field>=<value>``. Multi-host: pass
+Any config field can be overridden with ``--config.<group>.<field>=<value>``; communication is
+``comm.codec`` (fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4) + ``comm.method`` (none |
+gift | plumage). Multi-host: pass
 ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (or set
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process.
 Bad settings end with one ``error:`` line naming the setting and what is allowed.

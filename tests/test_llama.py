@@ -232,7 +232,8 @@ def test_config_loads_and_states_its_parameter_count(path):
     assert stated is not None, f"{path.name}: docstring must state the parameter count"
     assert int(stated.group(1).replace(",", "")) == total
     assert config.train.seq_len <= model_cfg.max_seq_len
-    assert config.comm.mode in ("fp32", "bf16", "fp8", "gift_fp8", "plumage")
+    assert config.comm.codec in ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+    assert config.comm.method in ("none", "gift", "plumage")
     assert config.optimizer.name in ("adamw", "muon")
 
 

@@ -61,8 +61,17 @@ def synthetic_batches(split, global_batch, seq_len, *, seed, start_step, process
         k += 1
 
 
+#: The former comm.mode values as (comm.codec, comm.method) (base.py's low-precision codec is
+#: fp8_e4m3); the tests name runs by these labels.
+MODES = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "fp8": ("fp8_e4m3", "none"),
+         "gift_fp8": ("fp8_e4m3", "gift"), "plumage": ("fp8_e4m3", "plumage")}
+
+
 def small_config(mode="fp8", optimizer="adamw", **overrides):
+    """The small test config with the (comm.codec, comm.method) of ``mode`` (a key of
+    :data:`MODES`); ``overrides`` win (e.g. ``**{"comm.codec": "fp8_e5m2"}``)."""
     config = complete_config(runpy.run_path(str(ROOT / "configs" / "base.py"))["get_config"]())
+    codec, method = MODES[mode]
     base = {
         "model.d_model": 32, "model.num_layers": 1, "model.num_heads": 2, "model.d_ff": 64,
         "model.max_seq_len": 16, "train.seq_len": 16, "train.global_batch_size": 16,
@@ -70,7 +79,8 @@ def small_config(mode="fp8", optimizer="adamw", **overrides):
         "train.diagnostics_every": 0, "optimizer.warmup_steps": 2,
         "optimizer.learning_rate": 1e-2, "optimizer.final_learning_rate": 1e-3,
         "gift.rank": 4, "gift.refresh_every": 2, "plumage.rank": 4,
-        "plumage.refresh_every": 2, "comm.mode": mode, "optimizer.name": optimizer,
+        "plumage.refresh_every": 2, "comm.codec": codec, "comm.method": method,
+        "optimizer.name": optimizer,
     }
     base.update(overrides)
     with config.unlocked():
@@ -272,9 +282,11 @@ def test_crash_resumes_from_last_checkpoint_and_config_mismatch(tmp_path):
     "overrides,match",
     [({"train.global_batch_size": 12}, r"train\.global_batch_size=12 must be divisible by "
                                         r"the data-parallel size 8"),
-     ({"comm.mode": "int4"}, r"comm\.mode='int4' is not supported; allowed: fp32, bf16"),
+     ({"comm.method": "int4"}, r"comm\.method='int4' is not supported; allowed: none, gift, "
+                               r"plumage"),
      ({"optimizer.name": "lion"}, r"optimizer\.name='lion' is not supported; allowed: adamw"),
-     ({"comm.codec": "fp6"}, r"comm\.codec='fp6' is not supported; allowed: fp8_e4m3"),
+     ({"comm.codec": "fp6"}, r"comm\.codec='fp6' is not supported; allowed: fp32, bf16, "
+                             r"fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"),
      ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),
      ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide")],
 )
@@ -285,10 +297,10 @@ def test_bad_settings_name_the_setting(overrides, match):
 
 def test_overrides_and_script_errors(capsys, tmp_path):
     config = complete_config(small_config())
-    out = apply_overrides(config, [("comm.mode", "gift_fp8"), ("train.num_steps", "7"),
+    out = apply_overrides(config, [("comm.method", "gift"), ("train.num_steps", "7"),
                                    ("comm.error_feedback", "true"), ("gift.layers",
                                                                      "('*/mlp/up_proj',)")])
-    assert (out.comm.mode, out.train.num_steps, out.comm.error_feedback) == ("gift_fp8", 7, True)
+    assert (out.comm.method, out.train.num_steps, out.comm.error_feedback) == ("gift", 7, True)
     assert out.gift.layers == ("*/mlp/up_proj",)
     with pytest.raises(ConfigError, match="unknown config field 'comm.moode'"):
         apply_overrides(config, [("comm.moode", "fp8")])
@@ -297,7 +309,8 @@ def test_overrides_and_script_errors(capsys, tmp_path):
     script = runpy.run_path(str(ROOT / "scripts" / "train.py"))
     for args, needle in [
         (["--config.comm.moode=fp8"], "unknown config field 'comm.moode'"),
-        (["--config.comm.mode=int4"], "comm.mode='int4' is not supported"),
+        (["--config.comm.method=int4"], "comm.method='int4' is not supported"),
+        (["--config.comm.mode=gift_fp8"], "comm.mode was replaced by comm.codec"),
         (["--config.train.global_batch_size=12"], "train.global_batch_size=12"),
     ]:
         rc = script["main"](["--config", str(ROOT / "configs" / "tiny.py"),
@@ -447,3 +460,80 @@ def test_step_times_interleaved_rows():
     for r in rows:
         assert 0 < r["ordinary_best"] <= r["ordinary_median"]
     assert by["gift_fp8"]["refresh_best"] > 0
+
+
+# ---- comm.codec + comm.method, and the former comm.mode -------------------------------------
+
+
+def _legacy(config):
+    """``config`` as the former vocabulary wrote it: ``comm.mode`` and a low-precision
+    ``comm.codec`` (base.py's old default fp8_e4m3 where the mode ignored it)."""
+    import ml_collections
+
+    codec, method = config.comm.codec, config.comm.method
+    mode = {"gift": "gift_fp8", "plumage": "plumage"}.get(
+        method, codec if codec in ("fp32", "bf16") else "fp8")
+    old = ml_collections.ConfigDict(config.to_dict())
+    with old.unlocked():
+        del old.comm["method"]
+        old.comm.mode = mode
+        old.comm.codec = "fp8_e4m3" if codec in ("fp32", "bf16") else codec
+    return old
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_former_mode_translates(mode):
+    """A config file and a checkpoint carrying the former comm.mode become exactly the
+    (comm.codec, comm.method) pair, and build the same plan."""
+    from gift_jax.training.config import config_differences, to_json
+
+    new = small_config(mode, **({"comm.codec": "fp8_e5m2"} if mode == "gift_fp8" else {}))
+    old = _legacy(new)
+    assert "mode" in old.comm and "method" not in old.comm
+    translated = complete_config(old)
+    assert (translated.comm.codec, translated.comm.method) == (new.comm.codec, new.comm.method)
+    assert to_json(translated) == to_json(new)
+    assert config_differences(to_json(old), new) == []  # an old checkpoint resumes
+    plan = build_optimizer(translated, ("data",)).plan
+    assert (plan.name, plan.codec) == (new.comm.method, new.comm.codec)
+    assert plan.variants() == ((False, True) if mode in ("gift_fp8", "plumage") else (False,))
+
+
+def test_former_mode_override_and_conflicts_name_the_new_settings():
+    config = small_config()
+    with pytest.raises(ConfigError, match=r"comm\.mode='gift_fp8': comm\.mode was replaced by "
+                                          r"comm\.codec \(fp32, bf16, .*\) and comm\.method "
+                                          r"\(none, gift, plumage\).*gift_fp8 = comm\.codec="):
+        apply_overrides(config, [("comm.mode", "gift_fp8")])
+    both = _legacy(config)
+    with both.unlocked():
+        both.comm.method = "gift"
+    with pytest.raises(ConfigError, match="comm.mode and comm.method are both set"):
+        complete_config(both)
+    unknown = _legacy(config)
+    with unknown.unlocked():
+        unknown.comm.mode = "int4"
+    with pytest.raises(ConfigError, match=r"comm\.mode='int4' is not supported: comm\.mode was "
+                                          r"replaced by comm\.codec"):
+        complete_config(unknown)
+
+
+def test_checkpoint_of_the_former_vocabulary_resumes_bit_exactly(tmp_path, monkeypatch):
+    """A checkpoint whose stored config says comm.mode='gift_fp8' resumes under comm.codec +
+    comm.method and continues exactly as the uninterrupted run."""
+    from gift_jax.training import checkpoint
+    from gift_jax.training.config import to_json
+
+    config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2])
+    full = run(config, stop_after=6)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "to_json", lambda c: to_json(_legacy(c)))
+        run(config, str(tmp_path), stop_after=3)
+    checkpointer = checkpoint.Checkpointer(str(tmp_path), config)
+    meta = checkpointer.check_config()
+    checkpointer.close()
+    assert '"comm.mode": "gift_fp8"' in meta["config"] and "comm.method" not in meta["config"]
+    resumed = run(config, str(tmp_path), resume=True, stop_after=3)
+    assert resumed.step == 6
+    assert_trees_equal(resumed.params, full.params)
+    assert_trees_equal(resumed.opt_state, full.opt_state)

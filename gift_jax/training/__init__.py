@@ -3,7 +3,9 @@
 * :func:`train` — run (or resume) a whole training run from a config.
 * :class:`TrainStep`, :func:`train_step_fn` — the compiled data-parallel step and its variants;
   :func:`program_for` — everything a config compiles (cached per process).
-* :func:`build_optimizer` — the optax chain of a config (communication stage first).
+* :func:`build_optimizer` — the optax chain of a config (communication stage first);
+  :func:`comm_plan` — the :class:`CommPlan` of ``comm.codec`` + ``comm.method`` that owns
+  every method-dependent choice (chain, refresh schedule, captured statistics, update args).
 * :class:`Checkpointer` — orbax checkpoints of the whole training state.
 * :func:`make_mesh`, :func:`initialize_distributed` — devices and processes.
 * :func:`complete_config`, :func:`validate_config`, :func:`apply_overrides` — configs.
@@ -11,7 +13,8 @@
 
 from gift_jax.training.checkpoint import Checkpointer, CheckpointMismatchError
 from gift_jax.training.config import (
-    COMM_MODES,
+    CODECS,
+    METHODS,
     OPTIMIZERS,
     TRAINER_DEFAULTS,
     ConfigError,
@@ -21,6 +24,7 @@ from gift_jax.training.config import (
 )
 from gift_jax.training.loop import TrainResult, data_batches, train
 from gift_jax.training.mesh import data_axes, initialize_distributed, make_mesh
+from gift_jax.training.method import CommPlan, comm_plan
 from gift_jax.training.optim import (
     Optimizer,
     build_optimizer,
@@ -31,11 +35,13 @@ from gift_jax.training.program import Program, program_for
 from gift_jax.training.step import TrainStep, eval_step_fn, train_step_fn
 
 __all__ = [
-    "COMM_MODES",
+    "CODECS",
+    "METHODS",
     "OPTIMIZERS",
     "TRAINER_DEFAULTS",
     "CheckpointMismatchError",
     "Checkpointer",
+    "CommPlan",
     "ConfigError",
     "Optimizer",
     "Program",
@@ -43,6 +49,7 @@ __all__ = [
     "TrainStep",
     "apply_overrides",
     "build_optimizer",
+    "comm_plan",
     "complete_config",
     "data_axes",
     "data_batches",

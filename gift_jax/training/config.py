@@ -4,6 +4,12 @@ A run is ``configs/base.py`` + a model/experiment config + overrides. The traine
 settings that older config files may lack; :func:`complete_config` fills them in from
 :data:`TRAINER_DEFAULTS` (so ``--config.train.grad_accum_steps=4`` works on any config file).
 
+Gradient communication is two settings: ``comm.codec`` (the wire format) and ``comm.method``
+(``none | gift | plumage``; :mod:`gift_jax.training.method`). Config files and checkpoints
+written with the former single ``comm.mode`` are translated (:data:`LEGACY_COMM_MODES`,
+:func:`translate_legacy_mode`); a ``--config.comm.mode=...`` override is refused with the
+equivalent pair.
+
 Every check raises :class:`ConfigError` (a ``ValueError``) with one line naming the setting
 and what is allowed.
 """
@@ -19,12 +25,22 @@ from typing import Any
 import ml_collections
 
 from gift_jax.codecs import CODEC_NAMES
+from gift_jax.training.method import METHODS
 
-COMM_MODES = ("fp32", "bf16", "fp8", "plumage", "gift_fp8")
+#: ``comm.codec`` values (the all-reduce's wire format).
+CODECS = CODEC_NAMES
+#: The former ``comm.mode`` values → ``(comm.codec, comm.method)``; ``None`` keeps the
+#: config's ``comm.codec`` (which those modes required to be a low-precision codec).
+LEGACY_COMM_MODES: dict[str, tuple[str | None, str]] = {
+    "fp32": ("fp32", "none"),
+    "bf16": ("bf16", "none"),
+    "fp8": (None, "none"),
+    "gift_fp8": (None, "gift"),
+    "plumage": (None, "plumage"),
+}
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
-LOW_PRECISION_CODECS = ("fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
 PROJECTORS = ("plumage", "galore", "flora")
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
 MUON_SCALE_MODES = ("spectral", "shape")
@@ -67,10 +83,46 @@ class ConfigError(ValueError):
     """A bad setting; the message is one line naming it and what is allowed."""
 
 
+def translate_legacy_mode(mode: Any, codec: Any) -> tuple[Any, str]:
+    """``(comm.codec, comm.method)`` of the former ``comm.mode=mode`` with ``comm.codec=codec``.
+
+    Raises:
+      ConfigError: ``mode`` is not one of :data:`LEGACY_COMM_MODES`.
+    """
+    if mode not in LEGACY_COMM_MODES:
+        raise ConfigError(
+            f"comm.mode={mode!r} is not supported: comm.mode was replaced by comm.codec "
+            f"({', '.join(CODECS)}) and comm.method ({', '.join(METHODS)})")
+    new_codec, method = LEGACY_COMM_MODES[mode]
+    return (codec if new_codec is None else new_codec), method
+
+
+def _legacy_mode_error(mode: str) -> ConfigError:
+    """The error for a ``comm.mode`` set where it cannot be translated (an override): names
+    the two new settings, their values, and each former mode's pair."""
+    pairs = "; ".join(
+        f"{m} = comm.codec={c or '<the former comm.codec, e.g. fp8_e4m3>'} comm.method={meth}"
+        for m, (c, meth) in LEGACY_COMM_MODES.items())
+    return ConfigError(
+        f"comm.mode={mode!r}: comm.mode was replaced by comm.codec ({', '.join(CODECS)}) and "
+        f"comm.method ({', '.join(METHODS)}); {pairs}")
+
+
 def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with every missing :data:`TRAINER_DEFAULTS` field added."""
+    """A copy of ``config`` with every missing :data:`TRAINER_DEFAULTS` field added, and a
+    former ``comm.mode`` translated into ``comm.codec`` + ``comm.method``."""
     config = copy.deepcopy(config)
     with config.unlocked():
+        if "comm" in config and "mode" in config.comm:
+            if "method" in config.comm:
+                raise ConfigError(
+                    "comm.mode and comm.method are both set: comm.mode was replaced by "
+                    "comm.codec + comm.method; remove comm.mode")
+            codec, method = translate_legacy_mode(config.comm.mode, config.comm.get("codec"))
+            del config.comm["mode"]
+            with config.comm.ignore_type():
+                config.comm.codec = codec
+            config.comm.method = method
         for group, fields in TRAINER_DEFAULTS.items():
             if group not in config:
                 config[group] = ml_collections.ConfigDict()
@@ -136,6 +188,8 @@ def apply_overrides(
                     f"known: {known}"
                 )
             node = node[group]
+        if name == "comm.mode" and "mode" not in node:
+            raise _legacy_mode_error(text)
         if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
             known = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else ""
             raise ConfigError(f"unknown config field {name!r}; known in this group: {known}")
@@ -193,27 +247,27 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     Raises:
       ConfigError: with one line naming the setting and what is allowed.
     """
-    _choice(config, "comm.mode", COMM_MODES)
+    if "mode" in config.comm:
+        raise _legacy_mode_error(config.comm.mode)
+    _choice(config, "comm.codec", CODECS)
+    _choice(config, "comm.method", METHODS)
     _choice(config, "optimizer.name", OPTIMIZERS)
     _choice(config, "optimizer.schedule", SCHEDULES)
     _choice(config, "optimizer.muon_scale_mode", MUON_SCALE_MODES)
     _choice(config, "comm.scaling", SCALINGS)
     _choice(config, "comm.intra_codec", CODEC_NAMES)
-    mode = config.comm.mode
-    if mode in ("fp8", "gift_fp8"):
-        _choice(config, "comm.codec", LOW_PRECISION_CODECS)
-    if mode == "plumage":
-        _choice(config, "comm.codec", CODEC_NAMES)
+    method = config.comm.method
+    if method == "plumage":
         _choice(config, "plumage.projector", PROJECTORS)
         _positive_int(config, "plumage.rank")
         _positive_int(config, "plumage.refresh_every")
         if config.optimizer.name != "adamw":
             raise ConfigError(
                 f"optimizer.name={config.optimizer.name!r} cannot be combined with "
-                "comm.mode='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"
+                "comm.method='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"
             )
         _validate_plumage_gift(config)
-    if mode == "gift_fp8":
+    if method == "gift":
         _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
         _positive_int(config, "gift.rank")
         _positive_int(config, "gift.refresh_every")
@@ -242,8 +296,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         raise ConfigError(
             "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
         )
-    if mode in ("fp32", "bf16") and intra > 1 and config.comm.intra_codec != "fp32":
-        raise ConfigError("comm.intra_codec applies to the low-precision modes; keep it 'fp32'")
+    if (method == "none" and config.comm.codec in ("fp32", "bf16") and intra > 1
+            and config.comm.intra_codec != "fp32"):
+        raise ConfigError(
+            f"comm.intra_codec={config.comm.intra_codec!r} applies to low-precision "
+            f"communication, not to comm.codec={config.comm.codec!r}; keep it 'fp32'")
     batch, accum = config.train.global_batch_size, config.train.grad_accum_steps
     if batch % num_devices:
         raise ConfigError(
@@ -281,12 +338,26 @@ def to_json(config: ml_collections.ConfigDict) -> str:
     return json.dumps(_flatten(config.to_dict()), sort_keys=True, default=str)
 
 
+def _translate_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A stored (flat) config with a former ``comm.mode`` translated to ``comm.codec`` +
+    ``comm.method`` (an unknown mode is left as it is, to show up as a difference)."""
+    if "comm.mode" not in flat or "comm.method" in flat:
+        return flat
+    flat = dict(flat)
+    if flat["comm.mode"] in LEGACY_COMM_MODES:
+        flat["comm.codec"], flat["comm.method"] = translate_legacy_mode(
+            flat.pop("comm.mode"), flat.get("comm.codec"))
+    return flat
+
+
 def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> list[str]:
     """``"name: stored != current"`` for every field that matters for resuming.
 
     A field the checkpoint lacks whose current value is its :data:`TRAINER_DEFAULTS` value is
-    not a difference: the checkpoint predates the setting and ran with that behaviour."""
-    stored = json.loads(stored_json)
+    not a difference: the checkpoint predates the setting and ran with that behaviour. A
+    checkpoint's former ``comm.mode`` is compared as its ``comm.codec`` + ``comm.method``
+    (:data:`LEGACY_COMM_MODES`), so runs written before the split resume bit-exactly."""
+    stored = _translate_flat(json.loads(stored_json))
     current = json.loads(to_json(config))
     defaults = json.loads(json.dumps(_flatten(TRAINER_DEFAULTS)))
     names = sorted((set(stored) | set(current)) - RUN_CONTROL_FIELDS)

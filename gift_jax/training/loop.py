@@ -4,7 +4,9 @@ One call runs (or resumes) a whole run: it validates the config, builds the mesh
 optimizer chain and the compiled step variants, restores the latest checkpoint when asked, and
 loops over steps with logging, evaluation, diagnostics and checkpoints.
 
-Host-side choices per step: the refresh variant (GIFT every ``gift.refresh_every`` steps,
+:func:`train` is three phases: :func:`_setup`, :func:`_loop` and :func:`_finish`, sharing a
+:class:`_Run`. Host-side choices per step: the refresh variant, as the run's
+:class:`~gift_jax.training.method.CommPlan` decides (GIFT every ``gift.refresh_every`` steps,
 PLUMAGE when its state says a refresh is due). Metrics are fetched from the device only at log
 steps (the loop otherwise runs ahead asynchronously). Ctrl-C (SIGINT) is turned into a flag
 checked between steps (agreed on by all processes every ``log_every`` steps): the loop stops,
@@ -34,7 +36,7 @@ from gift_jax.training.checkpoint import Checkpointer
 from gift_jax.training.config import ConfigError, complete_config, validate_config
 from gift_jax.training.mesh import make_mesh
 from gift_jax.training.metrics import MetricsWriter, Progress
-from gift_jax.training.program import program_for
+from gift_jax.training.program import Program, program_for
 
 log = logging.getLogger("gift_jax.training")
 
@@ -141,9 +143,14 @@ def train(
 ) -> TrainResult:
     """Trains the Llama of ``config`` data-parallel over all devices of all processes.
 
+    Three phases: :func:`_setup` (config, mesh, compiled program, restored state, eval data,
+    outputs), :func:`_loop` (the steps with logging, evaluation, diagnostics, checkpoints) and
+    :func:`_finish` (final evaluation and checkpoint, ``summary.json``).
+
     Args:
       config: a run config (``configs/base.py`` + overrides); missing trainer fields get
-        their defaults (:data:`gift_jax.training.config.TRAINER_DEFAULTS`).
+        their defaults (:data:`gift_jax.training.config.TRAINER_DEFAULTS`), a former
+        ``comm.mode`` is translated to ``comm.codec`` + ``comm.method``.
       workdir: checkpoints, ``metrics.jsonl``, TensorBoard events and ``summary.json``
         (default ``config.train.workdir``; empty: nothing is written and ``resume`` is
         impossible).
@@ -169,6 +176,101 @@ def train(
       CheckpointMismatchError: ``resume`` with a checkpoint of another config.
       KeyboardInterrupt: after saving a checkpoint, on Ctrl-C.
     """
+    run = _setup(config, workdir, resume=resume, data=data, data_dir=data_dir, batches=batches,
+                 eval_split=eval_split, stop_after=stop_after,
+                 compiler_options=compiler_options)
+    progress = Progress(run.start, run.tc.num_steps, enabled=run.is_main and show_progress)
+    try:
+        interrupted = _loop(run, progress)
+    except BaseException:
+        progress.close()
+        run.close()
+        raise
+    progress.close()
+    if interrupted:
+        run.save(run.step)
+        run.close()
+        raise KeyboardInterrupt(f"interrupted at step {run.step}; checkpoint saved")
+    summary = _finish(run)
+    run.close()
+    return TrainResult(run.params, run.opt_state, run.step, run.history, summary)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One :func:`train` call's run: what :func:`_setup` builds, the carried state that
+    :func:`_loop` advances, and what :func:`_finish` summarises."""
+
+    config: ml_collections.ConfigDict
+    workdir: str | None
+    program: Program
+    checkpointer: Checkpointer | None
+    writer: MetricsWriter
+    batches: BatchFn
+    num_devices: int
+    is_main: bool
+    params: Any  # carried: replicated parameters
+    opt_state: Any  # carried: the whole optimizer state
+    start: int  # step this call starts from (0 or the restored checkpoint's)
+    data_position: int  # index of the next training batch
+    end: int  # step this call stops at
+    compile_s: float  # seconds compiling the step variants
+    wire: dict[bool, float]  # wire bytes per device per step of each variant
+    n_params: int
+    evaluate: Callable | None  # jitted eval step, or None without periodic evaluation
+    eval_data: list[jax.Array]  # the fixed evaluation batches
+    diagnose: Callable | None  # jitted fidelity diagnostic, or None
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    step: int = 0  # optimizer steps completed
+    eval_loss: float | None = None  # last evaluation
+    last_loss: float | None = None  # loss of the last logged step
+    train_time: float = 0.0  # seconds inside train steps during this call
+    wall: float = 0.0  # seconds of the loop
+
+    @property
+    def tc(self) -> ml_collections.ConfigDict:
+        return self.config.train
+
+    @property
+    def fp32_wire(self) -> float:
+        """Bytes per device of one fp32 ring all-reduce of the parameters."""
+        n = self.num_devices
+        return 2 * (n - 1) / n * 4 * self.n_params
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tc.global_batch_size * self.tc.seq_len
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Appends a record to the history and writes it (metrics.jsonl, TensorBoard)."""
+        metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        self.history.append({"step": step, **metrics})
+        self.writer.write(step, metrics)
+
+    def run_eval(self, step: int) -> float:
+        """Mean loss over the evaluation batches, recorded as ``eval/loss``."""
+        losses = [float(self.evaluate(self.params, b)) for b in self.eval_data]
+        value = float(np.mean(losses))
+        self.record(step, {"eval/loss": value})
+        return value
+
+    def save(self, step: int) -> None:
+        """Checkpoints the carried state at ``step`` (no-op without a workdir)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(step, {"params": self.params, "opt_state": self.opt_state},
+                                   data_position=step, skipped=int(self.opt_state.skipped))
+
+    def close(self) -> None:
+        """Closes the metrics writer and the checkpointer."""
+        self.writer.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+
+def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *, resume: bool,
+                    data: str | None) -> tuple[ml_collections.ConfigDict, str | None]:
+    """The completed, validated config (``data`` and the workdir written into it) and the
+    workdir (``None``: no output)."""
     config = complete_config(config)
     if data:
         with config.unlocked():
@@ -178,8 +280,20 @@ def train(
         raise ConfigError("resume=True needs a workdir (--workdir) holding the checkpoints")
     with config.unlocked():
         config.train.workdir = workdir or ""
+    validate_config(config, jax.device_count())
+    return config, workdir
+
+
+def _setup(config: ml_collections.ConfigDict, workdir: str | None, *, resume: bool,
+           data: str | None, data_dir: str | None, batches: BatchFn | None,
+           eval_split: str | None, stop_after: int | None,
+           compiler_options: dict[str, Any] | None) -> _Run:
+    """Everything before the first step: validates the config, builds the mesh and the
+    cached compiled program, initialises or restores the state (refusing a workdir with
+    checkpoints unless ``resume``), compiles every step variant and reads its wire bytes,
+    loads the evaluation batches and opens the metrics writer."""
+    config, workdir = _resolve_config(config, workdir, resume=resume, data=data)
     num_devices = jax.device_count()
-    validate_config(config, num_devices)
     model_config = LlamaConfig.from_mapping(config.model)
     splits: tuple[str, ...] = ("train", "validation")
     if batches is None:
@@ -191,10 +305,8 @@ def train(
             )
     if eval_split is None:
         eval_split = next((s for s in ("validation", "test") if s in splits), None)
-    is_main = jax.process_index() == 0
     tc = config.train
 
-    # ---- build --------------------------------------------------------------------------
     mesh = make_mesh(config.mesh.intra_size)
     checkpointer = Checkpointer(workdir, config, keep=tc.keep_checkpoints) if workdir else None
     latest = checkpointer.latest_step() if checkpointer else None
@@ -207,7 +319,7 @@ def train(
     if resuming:
         checkpointer.check_config()  # fail fast, before anything is compiled
     program = program_for(config, mesh, compiler_options)
-    step_fn, optimizer = program.step, program.optimizer
+    step_fn = program.step
     params, opt_state = program.init()
     start = data_position = 0
     if resuming:
@@ -223,9 +335,6 @@ def train(
         step_fn.compiled(variant)
     compile_s = time.perf_counter() - t0
     wire = {v: step_fn.wire_report(v).total for v in step_fn.variants()}
-    n_params = count_params(model_config)
-    fp32_wire = 2 * (num_devices - 1) / num_devices * 4 * n_params
-    tokens_per_step = tc.global_batch_size * tc.seq_len
 
     evaluate = program.evaluate if (tc.eval_every and eval_split) else None
     eval_data = []
@@ -237,129 +346,116 @@ def train(
         eval_data = [_global_batch(next(it), step_fn.batch_sharding, shape)
                      for _ in range(tc.eval_batches)]
     diagnose = program.diagnose if tc.diagnostics_every else None
-
+    is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main, start_step=start)
-    progress = Progress(start, tc.num_steps, enabled=is_main and show_progress)
-    history: list[dict[str, Any]] = []
+    return _Run(config=config, workdir=workdir, program=program, checkpointer=checkpointer,
+                writer=writer, batches=batches, num_devices=num_devices, is_main=is_main,
+                params=params, opt_state=opt_state, start=start, data_position=data_position,
+                end=end, compile_s=compile_s, wire=wire, n_params=count_params(model_config),
+                evaluate=evaluate, eval_data=eval_data, diagnose=diagnose, step=start)
 
-    def record(step: int, metrics: dict[str, Any]) -> None:
-        metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        history.append({"step": step, **metrics})
-        writer.write(step, metrics)
 
-    def run_eval(step: int) -> float:
-        losses = [float(evaluate(params, b)) for b in eval_data]
-        value = float(np.mean(losses))
-        record(step, {"eval/loss": value})
-        return value
-
-    def save(step: int) -> None:
-        if checkpointer is not None:
-            checkpointer.save(step, {"params": params, "opt_state": opt_state},
-                              data_position=step, skipped=int(opt_state.skipped))
-
-    train_it = batches("train", tc.global_batch_size, tc.seq_len, seed=config.data.shuffle_seed,
-                       start_step=data_position, process_index=jax.process_index(),
-                       process_count=jax.process_count())
+def _loop(run: _Run, progress: Progress) -> bool:
+    """Runs steps ``run.start .. run.end``: the plan's refresh variant where due, a record
+    every ``log_every`` steps (window means, throughput excluding time outside train steps),
+    evaluation, wire/fidelity diagnostics and checkpoints at their cadences. Advances
+    ``run``'s carried state and counters; returns whether Ctrl-C stopped it early."""
+    tc, config = run.tc, run.config
+    step_fn, optimizer = run.program.step, run.program.optimizer
+    train_it = run.batches("train", tc.global_batch_size, tc.seq_len,
+                           seed=config.data.shuffle_seed, start_step=run.data_position,
+                           process_index=jax.process_index(),
+                           process_count=jax.process_count())
     shape = (tc.global_batch_size, tc.seq_len + 1)
     window: list[dict[str, jax.Array]] = []
     window_refreshes = 0
     window_start = run_start = time.perf_counter()
-    window_time = train_time = 0.0  # seconds in train steps: this window, the whole call
-    step = start
-    eval_loss = last_loss = None
+    window_time = 0.0  # seconds in train steps of this window
     interrupted = False
-    try:
-        with _Interrupt() as interrupt:
-            while step < end:
-                if interrupt.stop_now(step, tc.log_every):
-                    interrupted = True
-                    break
-                batch = _global_batch(next(train_it), step_fn.batch_sharding, shape)
-                refresh = step_fn.refresh_due(step, opt_state)
-                params, opt_state, metrics = step_fn(params, opt_state, batch, refresh)
-                window.append(metrics)
-                window_refreshes += int(refresh)
-                step += 1
-                if step % tc.log_every == 0 or step == end:
-                    fetched = jax.device_get(window)
-                    elapsed = window_time + time.perf_counter() - window_start
-                    train_time += elapsed
-                    last_loss = float(fetched[-1]["loss"])
-                    rec = _window_record(fetched, elapsed, tokens_per_step)
-                    rec["learning_rate"] = float(optimizer.schedule(step - 1))
-                    rec["refreshes"] = window_refreshes
-                    record(step, rec)
-                    progress.update(len(fetched), loss=f"{rec['loss']:.4f}",
-                                    tok_s=f"{rec['tokens_per_s']:.0f}")
-                    window, window_refreshes, window_time = [], 0, 0.0
-                extra = False
-                if evaluate is not None and step % tc.eval_every == 0:
-                    eval_loss, extra = run_eval(step), True
-                if tc.diagnostics_every and step % tc.diagnostics_every == 0:
-                    diag = {f"wire/bytes_per_step_{'refresh' if v else 'ordinary'}": b
-                            for v, b in wire.items()}
-                    diag["wire/fp32_reference"] = fp32_wire
-                    if diagnose is not None:
-                        report = jax.device_get(diagnose(params, opt_state, batch))
-                        diag.update({f"fidelity/{k}": float(v) for k, v in report.items()})
-                    record(step, diag)
-                    extra = True
-                if checkpointer and tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                    save(step)
-                    extra = True
-                if extra or not window:  # time spent outside train steps is not throughput
-                    if window:
-                        jax.block_until_ready(window[-1])
-                        window_time += time.perf_counter() - window_start
-                    window_start = time.perf_counter()
-    except BaseException:
-        progress.close()
-        writer.close()
-        if checkpointer is not None:
-            checkpointer.close()
-        raise
-    progress.close()
-    if interrupted:
-        save(step)
-        writer.close()
-        if checkpointer is not None:
-            checkpointer.close()
-        raise KeyboardInterrupt(f"interrupted at step {step}; checkpoint saved")
+    with _Interrupt() as interrupt:
+        while run.step < run.end:
+            if interrupt.stop_now(run.step, tc.log_every):
+                interrupted = True
+                break
+            batch = _global_batch(next(train_it), step_fn.batch_sharding, shape)
+            refresh = step_fn.refresh_due(run.step, run.opt_state)
+            run.params, run.opt_state, metrics = step_fn(run.params, run.opt_state, batch,
+                                                         refresh)
+            window.append(metrics)
+            window_refreshes += int(refresh)
+            run.step += 1
+            step = run.step
+            if step % tc.log_every == 0 or step == run.end:
+                fetched = jax.device_get(window)
+                elapsed = window_time + time.perf_counter() - window_start
+                run.train_time += elapsed
+                run.last_loss = float(fetched[-1]["loss"])
+                rec = _window_record(fetched, elapsed, run.tokens_per_step)
+                rec["learning_rate"] = float(optimizer.schedule(step - 1))
+                rec["refreshes"] = window_refreshes
+                run.record(step, rec)
+                progress.update(len(fetched), loss=f"{rec['loss']:.4f}",
+                                tok_s=f"{rec['tokens_per_s']:.0f}")
+                window, window_refreshes, window_time = [], 0, 0.0
+            extra = False
+            if run.evaluate is not None and step % tc.eval_every == 0:
+                run.eval_loss, extra = run.run_eval(step), True
+            if tc.diagnostics_every and step % tc.diagnostics_every == 0:
+                diag = {f"wire/bytes_per_step_{'refresh' if v else 'ordinary'}": b
+                        for v, b in run.wire.items()}
+                diag["wire/fp32_reference"] = run.fp32_wire
+                if run.diagnose is not None:
+                    report = jax.device_get(run.diagnose(run.params, run.opt_state, batch))
+                    diag.update({f"fidelity/{k}": float(v) for k, v in report.items()})
+                run.record(step, diag)
+                extra = True
+            if run.checkpointer and tc.checkpoint_every and step % tc.checkpoint_every == 0:
+                run.save(step)
+                extra = True
+            if extra or not window:  # time spent outside train steps is not throughput
+                if window:
+                    jax.block_until_ready(window[-1])
+                    window_time += time.perf_counter() - window_start
+                window_start = time.perf_counter()
+    run.wall = time.perf_counter() - run_start
+    return interrupted
 
-    wall = time.perf_counter() - run_start
-    if evaluate is not None and (eval_loss is None or step % tc.eval_every):
-        eval_loss = run_eval(step)
-    save(step)
-    refresh_fraction = 0.0
-    if optimizer.refresh_every:
-        refresh_fraction = 1.0 / optimizer.refresh_every
-    mean_wire = (1 - refresh_fraction) * wire[False] + refresh_fraction * wire.get(True, 0.0)
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """After the last step: a final evaluation (unless the last step had one), the final
+    checkpoint, and the summary (printed and written to ``summary.json`` on process 0)."""
+    tc, config, step = run.tc, run.config, run.step
+    if run.evaluate is not None and (run.eval_loss is None or step % tc.eval_every):
+        run.eval_loss = run.run_eval(step)
+    run.save(step)
+    plan = run.program.optimizer.plan
+    refresh_fraction = plan.refresh_fraction()
+    mean_wire = ((1 - refresh_fraction) * run.wire[False]
+                 + refresh_fraction * run.wire.get(True, 0.0))
     summary = {
         "steps": step,
-        "steps_this_call": step - start,
-        "final_loss": last_loss,
-        "eval_loss": eval_loss,
-        "skipped_steps": int(opt_state.skipped),
-        "params": n_params,
-        "devices": num_devices,
+        "steps_this_call": step - run.start,
+        "final_loss": run.last_loss,
+        "eval_loss": run.eval_loss,
+        "skipped_steps": int(run.opt_state.skipped),
+        "params": run.n_params,
+        "devices": run.num_devices,
         "processes": jax.process_count(),
-        "comm_mode": config.comm.mode,
+        "comm_codec": config.comm.codec,
+        "comm_method": config.comm.method,
         "optimizer": config.optimizer.name,
-        "wire_bytes_per_step": {("refresh" if v else "ordinary"): b for v, b in wire.items()},
+        "wire_bytes_per_step": {("refresh" if v else "ordinary"): b
+                                for v, b in run.wire.items()},
         "wire_bytes_per_step_mean": mean_wire,
-        "wire_fp32_reference": fp32_wire,
-        "compile_s": compile_s,
-        "wall_s": wall,
-        "train_s": train_time,
-        "tokens_per_s": tokens_per_step * (step - start) / max(train_time, 1e-9),
+        "wire_fp32_reference": run.fp32_wire,
+        "compile_s": run.compile_s,
+        "wall_s": run.wall,
+        "train_s": run.train_time,
+        "tokens_per_s": run.tokens_per_step * (step - run.start) / max(run.train_time, 1e-9),
     }
-    if is_main:
-        if workdir:
-            with open(os.path.join(workdir, "summary.json"), "w", encoding="utf-8") as f:
+    if run.is_main:
+        if run.workdir:
+            with open(os.path.join(run.workdir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2, default=str)
         print("summary: " + json.dumps(summary, default=str), flush=True)
-    writer.close()
-    if checkpointer is not None:
-        checkpointer.close()
-    return TrainResult(params, opt_state, step, history, summary)
+    return summary

@@ -1,15 +1,17 @@
 """The optimizer chain of a run, built from its config.
 
-Per-device gradients enter the chain inside ``jax.shard_map``; the order is
+Which chain is built is the :class:`~gift_jax.training.method.CommPlan`'s decision
+(``comm.codec`` + ``comm.method``); this module holds the pieces. Per-device gradients enter
+the chain inside ``jax.shard_map``; the order is
 
     skip_nonfinite(                                 # the whole step is skipped on Inf/NaN
-      chain(communication,                          # fp32 | bf16 | fp8 | GIFT(fp8) all-reduce
+      chain(communication,                          # all-reduce in comm.codec; GIFT around it
             record_grad_norm(),                     # ‖reduced gradient‖ for the metrics
             clip_by_global_norm(c),                 # after the reduction: same on every replica
             optimizer))                             # AdamW, or Muon (matrices) + AdamW (rest)
 
-PLUMAGE communicates *inside* the optimizer (it reduces the projected coordinates), so in
-``comm.mode='plumage'`` the chain is ``skip_nonfinite(plumage(communicate=chain(all-reduce,
+PLUMAGE communicates *inside* the optimizer (it reduces the projected coordinates), so with
+``comm.method='plumage'`` the chain is ``skip_nonfinite(plumage(communicate=chain(all-reduce,
 record_grad_norm(), clip)))``: clipping acts on what was reduced — the projected coordinates
 ``R = D⁻¹PᵀG`` and the dense leaves on ordinary steps (‖PR‖ = ‖R‖ for orthonormal ``P``, so this
 is the norm of the unbiased estimate ``Ĝ``) and the full gradient on refresh steps.
@@ -39,9 +41,9 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 import gift_jax
-from gift_jax.lowrank import plumage
 from gift_jax.lowrank.layout import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
+from gift_jax.training.method import CommPlan, comm_plan
 
 log = logging.getLogger("gift_jax.training")
 
@@ -157,22 +159,21 @@ class Optimizer:
     Attributes:
       tx: the full chain (update inside ``shard_map`` on per-device gradients).
       schedule: learning rate per step (for logging).
-      mode: ``comm.mode``.
-      refresh_every: period of the static refresh variant (GIFT/PLUMAGE), else ``None``.
-      gift_layers: layer patterns whose input statistics a GIFT refresh needs (else ``()``).
+      plan: the :class:`~gift_jax.training.method.CommPlan` of ``comm.codec`` +
+        ``comm.method``: refresh schedule, captured statistics, extra update arguments.
       stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
         all-reduce, applied to full gradients).
-      gift_two_sided: a GIFT refresh also needs the output-side statistics B = E[g gᵀ]
-        (``gift.two_sided``; :func:`gift_jax.capture.kfac_value_and_grad`).
     """
 
     tx: optax.GradientTransformationExtraArgs
     schedule: optax.Schedule
-    mode: str
-    refresh_every: int | None
-    gift_layers: tuple[str, ...]
+    plan: CommPlan
     stage: optax.GradientTransformation
-    gift_two_sided: bool = False
+
+    @property
+    def refresh_every(self) -> int | None:
+        """Period of the refresh variant (GIFT/PLUMAGE), else ``None``."""
+        return self.plan.refresh_every
 
 
 def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
@@ -197,20 +198,23 @@ def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
     )
 
 
-def _clip(config) -> list[optax.GradientTransformation]:
+def clip_stages(config) -> list[optax.GradientTransformation]:
+    """``[clip_by_global_norm(optimizer.grad_clip_norm)]``, or ``[]`` when it is 0."""
     c = config.optimizer.grad_clip_norm
     return [optax.clip_by_global_norm(c)] if c and c > 0 else []
 
 
-def _decay_mask(params):
+def decay_mask(params):
+    """Weight decay on matrices only."""
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def _dense_optimizer(config, schedule) -> optax.GradientTransformation:
+def dense_optimizer(config, schedule) -> optax.GradientTransformation:
+    """AdamW, or Muon on the matrices (outside :data:`DENSE_PATTERNS`) + AdamW on the rest."""
     opt = config.optimizer
     if opt.name == "adamw":
         return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                           weight_decay=opt.weight_decay, mask=_decay_mask)
+                           weight_decay=opt.weight_decay, mask=decay_mask)
 
     def muon_dims(params):
         def dims(path, x):
@@ -225,7 +229,7 @@ def _dense_optimizer(config, schedule) -> optax.GradientTransformation:
         beta=opt.momentum,
         eps=opt.eps,
         weight_decay=opt.weight_decay,
-        weight_decay_mask=_decay_mask,
+        weight_decay_mask=decay_mask,
         nesterov=opt.nesterov,
         adam_b1=opt.b1,
         adam_b2=opt.b2,
@@ -236,7 +240,7 @@ def _dense_optimizer(config, schedule) -> optax.GradientTransformation:
     )
 
 
-def _projected_gift(config, stage, axes) -> optax.GradientTransformation:
+def projected_gift(config, stage, axes) -> optax.GradientTransformation:
     """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
     ``gift.layers``: whitened with the factor of ``MᵀAM`` (``projected_dim=plumage.rank``),
     rebuilt on every PLUMAGE refresh (``gift.refresh_every`` does not apply)."""
@@ -258,7 +262,7 @@ def _projected_gift(config, stage, axes) -> optax.GradientTransformation:
     )
 
 
-def _plumage_mask(layers: tuple[str, ...], rank: int):
+def plumage_mask(layers: tuple[str, ...], rank: int):
     """PLUMAGE's mask callable (``plumage.layers``); the first time it sees the params it
     warns when the mask and rank project no leaf (every selected matrix has its smaller side
     ``<= plumage.rank``): the run would silently be dense Adam with full-size communication."""
@@ -287,87 +291,18 @@ def _warn_if_nothing_projected(params, mask_tree, rank: int, layers) -> None:
         detail = (f"plumage.rank={rank} >= the smaller side of every selected matrix (smallest: "
                   f"{side}, {path})")
     log.warning(
-        "comm.mode='plumage' projects NO parameter: %s; every leaf stays dense, so this run is "
+        "comm.method='plumage' projects NO parameter: %s; every leaf stays dense, so this run is "
         "plain Adam with full-size gradient communication", detail)
 
 
 def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
-    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring).
+    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
+    :meth:`CommPlan.build <gift_jax.training.method.CommPlan.build>` of the config's plan,
+    wrapped in :func:`skip_nonfinite`.
 
     ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
     """
-    mode = config.comm.mode
+    plan = comm_plan(config)
     schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
-    if mode == "plumage":
-        pl = config.plumage
-        opt = config.optimizer
-        stage = allreduce_stage(config, axes, config.comm.codec)
-        communicate = optax.chain(stage, record_grad_norm(), *_clip(config))
-        communicate_refresh, gift_layers = None, ()
-        if pl.get("gift", False):  # ordinary steps: GIFT-whitened (k, N) coordinates
-            gift_layers = tuple(config.gift.layers)
-            communicate_refresh = communicate  # refresh steps: the full gradient, plain
-            communicate = optax.chain(_projected_gift(config, stage, axes), record_grad_norm(),
-                                      *_clip(config))
-        layers = tuple(pl.layers)
-        tx = plumage(
-            schedule,
-            rank=pl.rank,
-            refresh_every=pl.refresh_every,
-            weight_decay=opt.weight_decay,
-            weight_decay_mask=_decay_mask,
-            strategy=pl.projector,
-            realign=pl.realign_moments,
-            b1=opt.b1,
-            b2=opt.b2,
-            eps=opt.eps,
-            scale=pl.scale,
-            seed=config.train.seed,
-            mask=_plumage_mask(layers, pl.rank),
-            communicate=communicate,
-            communicate_refresh=communicate_refresh,
-            axis_name=axes if len(axes) > 1 else axes[0],
-            distribute_refresh=config.comm.distribute_refresh,
-        )
-        return Optimizer(skip_nonfinite(tx), schedule, mode, pl.refresh_every, gift_layers,
-                         stage)
-
-    codec = {"fp32": "fp32", "bf16": "bf16"}.get(mode, config.comm.codec)
-    stage = allreduce_stage(config, axes, codec)
-    refresh_every, gift_layers, two_sided = None, (), False
-    if mode == "gift_fp8":
-        from gift_jax.gift import gift
-
-        g = config.gift
-        gift_layers = tuple(g.layers)
-        refresh_every = g.refresh_every
-        two_sided = bool(g.get("two_sided", False))
-        stage = gift(
-            stage,
-            layers=gift_layers,
-            rank=g.rank,
-            refresh_every=g.refresh_every,
-            factor=GIFT_REMAINDERS[g.remainder],
-            damping=g.damping,
-            ema=g.ema,
-            axis_name=axes if len(axes) > 1 else axes[0],
-            two_sided=two_sided,
-            distribute_refresh=config.comm.distribute_refresh,
-            seed=config.train.seed,
-        )
-    chain = optax.chain(stage, record_grad_norm(), *_clip(config),
-                        _dense_optimizer(config, schedule))
-    return Optimizer(skip_nonfinite(chain), schedule, mode, refresh_every, gift_layers, stage,
-                     two_sided)
-
-
-def grad_norm_from_state(opt_state: Any, refresh: bool, mode: str) -> jax.Array:
-    """The reduced-gradient norm recorded by this step (see :func:`record_grad_norm`).
-
-    PLUMAGE keeps two communication states (ordinary and refresh steps); pick the one used.
-    """
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GradNormState))
-             if isinstance(s, GradNormState)]
-    if mode == "plumage" and refresh:
-        return found[-1].norm
-    return found[0].norm
+    chain, stage = plan.build(config, axes, schedule)
+    return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

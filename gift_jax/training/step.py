@@ -36,10 +36,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gift_jax
-from gift_jax.lowrank import refresh_due as plumage_refresh_due
 from gift_jax.models import Llama, LlamaConfig, next_token_loss
 from gift_jax.training.mesh import data_axes
-from gift_jax.training.optim import Optimizer, SkipState, grad_norm_from_state
+from gift_jax.training.optim import Optimizer, SkipState
 
 Params = Any
 OptState = Any
@@ -144,25 +143,19 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
     skipped step), ``skipped`` (this step), ``skipped_total``.
     """
     axes = data_axes(mesh)
-    extra: dict[str, Any] = {}
-    if optimizer.mode == "plumage":
-        extra["plumage_refresh"] = refresh
-    # refresh variants capture the statistics of the layers a GIFT stage whitens (gift_fp8, or
-    # plumage with plumage.gift); gift_layers is () for every other mode
-    capture = optimizer.gift_layers if refresh else ()
+    plan = optimizer.plan
+    # refresh variants capture the statistics of the layers a GIFT stage whitens (method gift,
+    # or plumage with plumage.gift); the plan says which (none for every other variant)
+    capture = plan.capture_layers(refresh)
 
     def body(params, opt_state, tokens):
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
-                                                   capture, optimizer.gift_two_sided)
-        kwargs = dict(extra)
-        if capture and optimizer.gift_two_sided:
-            kwargs["gift_stats"], kwargs["gift_output_stats"] = stats
-        elif capture:
-            kwargs["gift_stats"] = stats
+                                                   capture, plan.gift_two_sided)
+        kwargs = plan.update_kwargs(refresh, stats)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)
         params = optax.apply_updates(params, updates)
         assert isinstance(opt_state, SkipState)
-        norm = grad_norm_from_state(opt_state.inner, refresh, optimizer.mode)
+        norm = plan.grad_norm(opt_state.inner, refresh)
         metrics = {
             "loss": jax.lax.pmean(loss, axes),
             "grad_norm": jnp.where(opt_state.last_skipped, jnp.nan, norm),
@@ -211,17 +204,8 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
         micro = tokens[: tokens.shape[0] // accum_steps]
         grads = jax.grad(lambda q: next_token_loss(model_def.merge(q), micro))(params)
         ref = jax.tree.map(lambda g: jax.lax.pmean(g.astype(jnp.float32), axis), grads)
-        stage = optimizer.stage
-        factors = None
-        if optimizer.mode == "gift_fp8":
-            gift_state = gift_jax.reset_error_feedback(opt_state.inner[0])
-            approx, _ = stage.update(grads, gift_state)
-            factors = {path: jax.tree.map(lambda x: x[0], f)
-                       for path, f in gift_state.factors.items()
-                       if all(x.shape[0] == 1 for x in jax.tree.leaves(f))}
-        else:
-            approx, _ = stage.update(grads, stage.init(grads))
-        report = fidelity_report(approx, ref, factors or None, muon=None)["aggregate"]
+        approx, factors = optimizer.plan.roundtrip(optimizer.stage, grads, opt_state.inner)
+        report = fidelity_report(approx, ref, factors, muon=None)["aggregate"]
         return {k: v.astype(jnp.float32) for k, v in report.items()}
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axes)),
@@ -268,7 +252,7 @@ class TrainStep:
 
     def compiled(self, refresh: bool) -> jax.stages.Compiled:
         """The compiled variant (compiling it on first use)."""
-        refresh = bool(refresh) and self.optimizer.refresh_every is not None
+        refresh = bool(refresh) and True in self.variants()
         if refresh not in self._compiled:
             fn = train_step_fn(self.model_def, self.optimizer, self.mesh, self.opt_specs,
                                accum_steps=self.accum_steps, refresh=refresh)
@@ -285,15 +269,8 @@ class TrainStep:
         return self._compiled[refresh]
 
     def refresh_due(self, step: int, opt_state: OptState) -> bool:
-        """Whether ``step`` (0-based) runs the refresh variant."""
-        opt = self.optimizer
-        if opt.mode == "gift_fp8":
-            from gift_jax.gift import refresh_due
-
-            return refresh_due(step, opt.refresh_every)
-        if opt.mode == "plumage":
-            return bool(plumage_refresh_due(opt_state))
-        return False
+        """Whether ``step`` (0-based) runs the refresh variant (the plan's rule)."""
+        return self.optimizer.plan.refresh_due(step, opt_state)
 
     def __call__(self, params: Params, opt_state: OptState, batch: jax.Array,
                  refresh: bool = False) -> tuple[Params, OptState, Metrics]:
@@ -301,7 +278,7 @@ class TrainStep:
 
     def wire_report(self, refresh: bool = False) -> gift_jax.WireReport:
         """Collectives of a variant and their bytes per device (from the compiled HLO)."""
-        refresh = bool(refresh) and self.optimizer.refresh_every is not None
+        refresh = bool(refresh) and True in self.variants()
         if refresh not in self._wire:
             self._wire[refresh] = gift_jax.parse_hlo(self.compiled(refresh).as_text(),
                                                      self.mesh.size)
@@ -309,4 +286,4 @@ class TrainStep:
 
     def variants(self) -> tuple[bool, ...]:
         """The variants this run uses: ``(False,)`` or ``(False, True)``."""
-        return (False,) if self.optimizer.refresh_every is None else (False, True)
+        return self.optimizer.plan.variants()

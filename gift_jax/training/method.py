@@ -1,0 +1,249 @@
+"""The run's communication method: one object owns every method-dependent question.
+
+A run's gradient communication is two settings:
+
+* ``comm.codec`` — the wire format of the all-reduce (``fp32 | bf16 | fp8_e4m3 | fp8_e5m2 |
+  mxfp8 | nvfp4``, with ``comm.scaling`` / ``comm.block_size``);
+* ``comm.method`` — what is done around it: ``none`` (a plain quantized all-reduce),
+  ``gift`` (GIFT whitening of ``gift.layers``, factors refreshed every ``gift.refresh_every``
+  steps) or ``plumage`` (PLUMAGE low-rank Adam, which reduces the projected coordinates; with
+  ``plumage.gift`` they are GIFT-whitened too).
+
+:func:`comm_plan` turns a config into a :class:`CommPlan`, and the trainer asks it — never the
+config — which optax chain to build (:meth:`CommPlan.build`), whether a step refreshes
+(:meth:`CommPlan.refresh_due`), which layers' statistics a step captures
+(:meth:`CommPlan.capture_layers`), which extra arguments go to the optimizer's update
+(:meth:`CommPlan.update_kwargs`), where the recorded gradient norm lives
+(:meth:`CommPlan.grad_norm`) and how the fidelity diagnostic reproduces the reduction
+(:meth:`CommPlan.roundtrip`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+#: Values of ``comm.method``.
+METHODS = ("none", "gift", "plumage")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommPlan:
+    """``comm.method='none'``: the chain is ``all-reduce → record norm → clip → optimizer``.
+
+    Attributes:
+      codec: ``comm.codec``, the all-reduce's wire format.
+      refresh_every: period of the refresh variant (GIFT factors / PLUMAGE projection), or
+        ``None`` when the method has no refresh variant.
+      gift_layers: layer patterns whose input statistics a refresh step captures (``()``
+        without a GIFT stage).
+      gift_two_sided: a refresh also captures the output-side statistics ``B = E[g gᵀ]``.
+    """
+
+    codec: str
+    refresh_every: int | None = None
+    gift_layers: tuple[str, ...] = ()
+    gift_two_sided: bool = False
+
+    name = "none"
+
+    # ---- host side ----------------------------------------------------------------------
+
+    def variants(self) -> tuple[bool, ...]:
+        """The step variants a run compiles: ``(False,)``, or ``(False, True)`` with a refresh
+        variant."""
+        return (False,) if self.refresh_every is None else (False, True)
+
+    def refresh_due(self, step: int, opt_state: Any) -> bool:
+        """Whether ``step`` (0-based) runs the refresh variant (``opt_state``: the whole
+        optimizer state before the step)."""
+        del step, opt_state
+        return False
+
+    def refresh_fraction(self) -> float:
+        """Nominal fraction of steps that refresh (for the mean wire bytes per step)."""
+        return 1.0 / self.refresh_every if self.refresh_every else 0.0
+
+    # ---- inside the step ----------------------------------------------------------------
+
+    def capture_layers(self, refresh: bool) -> tuple[str, ...]:
+        """Layers whose input statistics the step variant ``refresh`` captures: the GIFT
+        layers on refresh steps, else none."""
+        return self.gift_layers if refresh else ()
+
+    def update_kwargs(self, refresh: bool, stats: Any) -> dict[str, Any]:
+        """Extra keyword arguments of ``tx.update`` for the variant ``refresh`` given the
+        captured statistics (``{}``; ``(A, B)`` when two-sided)."""
+        kwargs: dict[str, Any] = {}
+        if self.capture_layers(refresh):
+            if self.gift_two_sided:
+                kwargs["gift_stats"], kwargs["gift_output_stats"] = stats
+            else:
+                kwargs["gift_stats"] = stats
+        return kwargs
+
+    def grad_norm(self, inner_state: Any, refresh: bool) -> jax.Array:
+        """The reduced-gradient norm this step recorded (``inner_state``: the chain's state
+        inside :func:`~gift_jax.training.optim.skip_nonfinite`)."""
+        del refresh
+        return _grad_norm_states(inner_state)[0].norm
+
+    def roundtrip(self, stage: optax.GradientTransformation, grads: Any,
+                  inner_state: Any) -> tuple[Any, dict | None]:
+        """``(reduced grads, GIFT factors or None)``: the run's reduction of ``grads`` for the
+        fidelity diagnostic, from a fresh stage state."""
+        del inner_state
+        approx, _ = stage.update(grads, stage.init(grads))
+        return approx, None
+
+    # ---- the chain ----------------------------------------------------------------------
+
+    def build(self, config: ml_collections.ConfigDict, axes: tuple[str, ...],
+              schedule: optax.Schedule) -> tuple[optax.GradientTransformation,
+                                                 optax.GradientTransformation]:
+        """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
+        skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic)."""
+        from gift_jax.training import optim
+
+        stage = optim.allreduce_stage(config, axes, self.codec)
+        return self._dense_chain(config, stage, schedule), stage
+
+    @staticmethod
+    def _dense_chain(config, stage, schedule) -> optax.GradientTransformation:
+        from gift_jax.training import optim
+
+        return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config),
+                           optim.dense_optimizer(config, schedule))
+
+
+@dataclasses.dataclass(frozen=True)
+class GiftPlan(CommPlan):
+    """``comm.method='gift'``: GIFT whitening around the all-reduce; refresh steps (every
+    ``gift.refresh_every``) capture the input (and with ``gift.two_sided`` output) statistics
+    of ``gift.layers`` and pass them as ``gift_stats=`` (``gift_output_stats=``)."""
+
+    name = "gift"
+
+    def refresh_due(self, step: int, opt_state: Any) -> bool:
+        from gift_jax.gift import refresh_due
+
+        del opt_state
+        return refresh_due(step, self.refresh_every)
+
+    def roundtrip(self, stage, grads, inner_state):
+        """The GIFT stage with its current factors and zeroed error-feedback buffers; returns
+        the factors of single-block layers for the whitened-frame error."""
+        import gift_jax
+
+        gift_state = gift_jax.reset_error_feedback(inner_state[0])
+        approx, _ = stage.update(grads, gift_state)
+        factors = {path: jax.tree.map(lambda x: x[0], f)
+                   for path, f in gift_state.factors.items()
+                   if all(x.shape[0] == 1 for x in jax.tree.leaves(f))}
+        return approx, factors or None
+
+    def build(self, config, axes, schedule):
+        from gift_jax.gift import gift
+        from gift_jax.training import optim
+        from gift_jax.training.config import GIFT_REMAINDERS
+
+        g = config.gift
+        stage = gift(
+            optim.allreduce_stage(config, axes, self.codec),
+            layers=self.gift_layers,
+            rank=g.rank,
+            refresh_every=g.refresh_every,
+            factor=GIFT_REMAINDERS[g.remainder],
+            damping=g.damping,
+            ema=g.ema,
+            axis_name=axes if len(axes) > 1 else axes[0],
+            two_sided=self.gift_two_sided,
+            distribute_refresh=config.comm.distribute_refresh,
+            seed=config.train.seed,
+        )
+        return self._dense_chain(config, stage, schedule), stage
+
+
+@dataclasses.dataclass(frozen=True)
+class PlumagePlan(CommPlan):
+    """``comm.method='plumage'``: PLUMAGE reduces inside the optimizer (projected coordinates
+    on ordinary steps, the full gradient on refresh steps). The refresh rule reads PLUMAGE's
+    state (``plumage.refresh_every``, or the interval an adaptive rule maintains) and is passed
+    as ``plumage_refresh=``; with ``plumage.gift`` refresh steps also capture the statistics of
+    ``gift.layers`` for GIFT's projected factors."""
+
+    name = "plumage"
+
+    def refresh_due(self, step: int, opt_state: Any) -> bool:
+        from gift_jax.lowrank import refresh_due
+
+        del step
+        return bool(refresh_due(opt_state))
+
+    def update_kwargs(self, refresh, stats):
+        return {"plumage_refresh": refresh, **super().update_kwargs(refresh, stats)}
+
+    def grad_norm(self, inner_state, refresh):
+        """PLUMAGE keeps two communication states (ordinary and refresh steps): the one used."""
+        found = _grad_norm_states(inner_state)
+        return (found[-1] if refresh else found[0]).norm
+
+    def build(self, config, axes, schedule):
+        from gift_jax.lowrank import plumage
+        from gift_jax.training import optim
+
+        pl, opt = config.plumage, config.optimizer
+        stage = optim.allreduce_stage(config, axes, self.codec)
+        communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config))
+        communicate_refresh = None
+        if self.gift_layers:  # ordinary steps: GIFT-whitened (k, N) coordinates
+            communicate_refresh = communicate  # refresh steps: the full gradient, plain
+            communicate = optax.chain(optim.projected_gift(config, stage, axes),
+                                      optim.record_grad_norm(), *optim.clip_stages(config))
+        tx = plumage(
+            schedule,
+            rank=pl.rank,
+            refresh_every=pl.refresh_every,
+            weight_decay=opt.weight_decay,
+            weight_decay_mask=optim.decay_mask,
+            strategy=pl.projector,
+            realign=pl.realign_moments,
+            b1=opt.b1,
+            b2=opt.b2,
+            eps=opt.eps,
+            scale=pl.scale,
+            seed=config.train.seed,
+            mask=optim.plumage_mask(tuple(pl.layers), pl.rank),
+            communicate=communicate,
+            communicate_refresh=communicate_refresh,
+            axis_name=axes if len(axes) > 1 else axes[0],
+            distribute_refresh=config.comm.distribute_refresh,
+        )
+        return tx, stage
+
+
+def _grad_norm_states(tree: Any) -> list[Any]:
+    from gift_jax.training.optim import GradNormState
+
+    return [s for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, GradNormState))
+            if isinstance(s, GradNormState)]
+
+
+def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:
+    """The :class:`CommPlan` of a validated config (``comm.codec`` + ``comm.method``)."""
+    comm, method = config.comm, config.comm.method
+    if method == "gift":
+        return GiftPlan(comm.codec, config.gift.refresh_every, tuple(config.gift.layers),
+                        bool(config.gift.get("two_sided", False)))
+    if method == "plumage":
+        layers = tuple(config.gift.layers) if config.plumage.get("gift", False) else ()
+        return PlumagePlan(comm.codec, config.plumage.refresh_every, layers)
+    if method == "none":
+        return CommPlan(comm.codec)
+    from gift_jax.training.config import ConfigError
+
+    raise ConfigError(f"comm.method={method!r} is not supported; allowed: {', '.join(METHODS)}")
