@@ -7,48 +7,41 @@ Public API (the quantized all-reduce, the foundation of the GIFT and PLUMAGE sta
 * :func:`get_codec`, :data:`CODEC_NAMES`, :func:`roundtrip` — wire formats.
 * :func:`wire_bytes` — bytes per device of a compiled function's collectives, from its HLO.
 * :func:`gift` — GIFT: whiten selected layers' gradients with their input-side K-FAC factor
-  around any all-reduce stage (:mod:`gift_jax.whitening`, :mod:`gift_jax.capture` for the
-  statistics, :mod:`gift_jax.fidelity` for round-trip metrics).
+  around any all-reduce stage (:mod:`gift_jax.whitening`, :mod:`gift_jax.whitening.capture` for the
+  statistics, :mod:`gift_jax.whitening.fidelity` for round-trip metrics).
 * :func:`plumage` / :func:`scale_by_plumage` — PLUMAGE low-rank gradients with Adam moment
   realignment (GaLore and FLORA as projector strategies), :mod:`gift_jax.lowrank`.
 * :mod:`gift_jax.models` — the Flax NNX Llama.
 
 Importing the package limits OpenBLAS to one thread unless ``OPENBLAS_NUM_THREADS`` is set
-(:mod:`gift_jax.cpu_threads`: jaxlib's CPU decompositions otherwise oversubscribe the cores).
+(:mod:`gift_jax.utils.cpu_threads`: jaxlib's CPU decompositions otherwise oversubscribe the cores).
 """
 
-from gift_jax.cpu_threads import limit_openblas_threads
+from gift_jax.utils.cpu_threads import limit_openblas_threads
 
 limit_openblas_threads()
 
 # ruff: noqa: E402  (the limit must precede imports that may load OpenBLAS)
 
-from gift_jax.capture import (
-    install_capture,
-    kfac_value_and_grad,
-    remove_capture,
-    with_input_stats,
-)
-from gift_jax.codecs import CODEC_NAMES, Codec, get_codec, roundtrip
-from gift_jax.collectives import (
+from gift_jax.comm.codecs import CODEC_NAMES, Codec, get_codec, roundtrip
+from gift_jax.comm.collectives import (
     AllReduceSpec,
     local_roundtrip,
     quantized_all_gather,
     quantized_psum,
     quantized_reduce_scatter,
 )
-from gift_jax.comm_stage import (
+from gift_jax.comm.stage import (
     AllReduceState,
     allreduce,
     allreduce_axis,
+    allreduce_spec,
     init_on_mesh,
     matrices_only,
     partition_specs,
     reset_error_feedback,
 )
-from gift_jax.fidelity import fidelity_report
-from gift_jax.gift import GiftDimensionNumbers, GiftState, gift, select_layers
-from gift_jax.gift import refresh_due as gift_refresh_due
+from gift_jax.comm.wire import WireReport, parse_hlo, wire_bytes
 from gift_jax.lowrank import (
     AdaptiveRefresh,
     LowRankDimensionNumbers,
@@ -64,7 +57,15 @@ from gift_jax.lowrank import (
     systematic_sample,
 )
 from gift_jax.lowrank import refresh_due as plumage_refresh_due
-from gift_jax.wire import WireReport, parse_hlo, wire_bytes
+from gift_jax.whitening.capture import (
+    install_capture,
+    kfac_value_and_grad,
+    remove_capture,
+    with_input_stats,
+)
+from gift_jax.whitening.fidelity import fidelity_report
+from gift_jax.whitening.stage import GiftDimensionNumbers, GiftState, gift, select_layers
+from gift_jax.whitening.stage import refresh_due as gift_refresh_due
 
 __version__ = "0.1.0"
 
@@ -81,6 +82,7 @@ __all__ = [
     "WireReport",
     "allreduce",
     "allreduce_axis",
+    "allreduce_spec",
     "expected_squared_error",
     "fidelity_report",
     "find_plumage_state",

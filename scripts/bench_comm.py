@@ -17,16 +17,15 @@ if "jax" not in sys.modules:  # simulate a data-parallel mesh on the CPU when no
 import jax  # noqa: E402
 import ml_collections  # noqa: E402, F401  (configs use it)
 
-from gift_jax.bench import quantize_throughput, wire_table  # noqa: E402
+from gift_jax.apps.bench import quantize_throughput, wire_table  # noqa: E402
 from gift_jax.models import LlamaConfig, count_params, param_shapes  # noqa: E402
+from gift_jax.training.config import load_config  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
 def model_config(name: str) -> LlamaConfig:
-    import runpy
-
-    cfg = runpy.run_path(str(CONFIGS / f"{name}.py"))["get_config"]()
+    cfg = load_config(name, CONFIGS)
     return LlamaConfig.from_mapping(cfg.model)
 
 

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from gift_jax import experiments_lowrank as E
+from gift_jax.apps.experiments import lowrank as E
 
 CONFIGS = ("configs/llama_60m.py", "configs/llama_130m.py", "configs/llama_350m.py",
            "configs/llama_1b.py")

@@ -2,7 +2,7 @@
 
 Two comparisons on the trainer's own compiled step (forward, backward, data-parallel
 reduction, optimizer) over 8 simulated CPU devices when there is no accelerator, timed
-interleaved (:func:`gift_jax.training.timing.step_times`):
+interleaved (:func:`gift_jax.apps.step_timing.step_times`):
 
 * ``gift``: ``fp8`` (comm.method ``none``: Euclidean FP8 all-reduce) vs ``gift_fp8``
   (comm.method ``gift``) — ordinary-step ratio
@@ -31,10 +31,15 @@ if "jax" not in sys.modules:  # simulate a data-parallel mesh on the CPU when no
 
 import jax  # noqa: E402
 
-from gift_jax.experiments.roundtrip import load_config  # noqa: E402
-from gift_jax.training.config import apply_overrides, complete_config  # noqa: E402
+from gift_jax.apps.step_timing import step_times  # noqa: E402
+from gift_jax.training.config import (  # noqa: E402
+    apply_overrides,
+    complete_config,
+    load_config,
+)
 from gift_jax.training.mesh import make_mesh  # noqa: E402
-from gift_jax.training.timing import step_times  # noqa: E402
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 # ("comm.codec", None): the config's low-precision codec (fp8_e4m3 when it sets fp32 or bf16)
 FP8 = [("comm.codec", None), ("comm.method", "none")]
@@ -73,7 +78,7 @@ def main(argv=None):
     sets = [tuple(kv.split("=", 1)) for kv in args.set]
     if any(len(kv) != 2 for kv in sets):
         raise SystemExit("--set takes NAME=VALUE, e.g. --set train.global_batch_size=64")
-    base_config = apply_overrides(complete_config(load_config(args.config)), sets)
+    base_config = apply_overrides(complete_config(load_config(args.config, CONFIGS)), sets)
     mesh = make_mesh()
     md = [f"<!-- {command} -->",
           f"platform {jax.default_backend()}, {len(jax.devices())} devices, config "

@@ -8,6 +8,7 @@ loss-curve PNG.
 
 import argparse
 import os
+import pathlib
 import sys
 
 if "jax" not in sys.modules:  # simulate 8 data-parallel devices on the CPU
@@ -15,8 +16,8 @@ if "jax" not in sys.modules:  # simulate 8 data-parallel devices on the CPU
 
 
 def main(argv=None):
-    from gift_jax.demo import DEMO_MODES, format_table, run_demo
-    from gift_jax.plotting import plot_runs
+    from gift_jax.apps.demo import DEMO_MODES, format_table, run_demo
+    from gift_jax.apps.plotting import plot_runs
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,7 +28,8 @@ def main(argv=None):
     ap.add_argument("--data_dir", default=None)
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    rows = run_demo(args.out, args.steps, modes, args.data, args.data_dir)
+    tiny = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+    rows = run_demo(args.out, tiny, args.steps, modes, args.data, args.data_dir)
     png = plot_runs({r["mode"]: r["workdir"] for r in rows}, os.path.join(args.out, "loss.png"),
                     title=f"tiny Llama, 8 devices, {args.steps} steps")
     print()

@@ -18,9 +18,9 @@ import pathlib
 
 import jax
 
-from gift_jax import codecs as C
-from gift_jax.bench import kernel_check
-from gift_jax.kernels.roofline import roofline_rows
+from gift_jax.apps.bench import kernel_check
+from gift_jax.comm import codecs as C
+from gift_jax.comm.kernels.roofline import roofline_rows
 
 CASES = (("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 128),
          ("mxfp8", None), ("nvfp4", None))

@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from gift_jax import experiments_lowrank as E
+from gift_jax.apps.experiments import lowrank as E
 
 
 def main() -> None:

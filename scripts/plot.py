@@ -6,7 +6,7 @@
 import argparse
 import os
 
-from gift_jax.plotting import plot_runs
+from gift_jax.apps.plotting import plot_runs
 
 
 def main(argv=None):

@@ -17,8 +17,11 @@ import pathlib
 import sys
 import time
 
-from gift_jax.experiments import profile as pf
-from gift_jax.experiments import roundtrip as rt
+from gift_jax.apps.experiments import profile as pf
+from gift_jax.apps.experiments import roundtrip as rt
+from gift_jax.training.config import load_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
 def main(argv=None):
@@ -47,7 +50,7 @@ def main(argv=None):
     checkpoints = [int(s) for s in args.checkpoints.split(",")]
     cands = [c for c in args.candidates.split(",") if c] or None
     t0 = time.perf_counter()
-    cfg = rt.load_config(args.config)
+    cfg = load_config(args.config, CONFIGS)
     trainer = rt.Trainer(cfg, seed=args.seed,
                          schedule_steps=max(checkpoints[-1] + args.window, cfg.train.num_steps))
     result = pf.profile_layers(trainer, checkpoints, window=args.window, stride=args.stride,

@@ -15,7 +15,10 @@ import pathlib
 import sys
 import time
 
-from gift_jax.experiments import roundtrip as rt
+from gift_jax.apps.experiments import roundtrip as rt
+from gift_jax.training.config import load_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
 def main(argv=None):
@@ -47,7 +50,8 @@ def main(argv=None):
     print(f"training {args.train_steps} steps, capturing {args.capture_steps} steps "
           f"x {args.replicas} replicas", flush=True)
     trainer, caps = rt.train_and_capture(
-        args.config, train_steps=args.train_steps, capture_steps=args.capture_steps,
+        load_config(args.config, CONFIGS), train_steps=args.train_steps,
+        capture_steps=args.capture_steps,
         replicas=args.replicas, local_batch=args.local_batch, seed=args.seed,
         schedule_steps=args.train_steps + args.capture_steps + args.staleness_steps)
     methods = rt.default_methods([int(r) for r in args.ranks.split(",")], args.remainder)

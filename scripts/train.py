@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import runpy
 import sys
 
 
@@ -55,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
 
     from gift_jax.training import initialize_distributed
-    from gift_jax.training.config import ConfigError, apply_overrides, complete_config
+    from gift_jax.training.config import (
+        ConfigError,
+        apply_overrides,
+        complete_config,
+        load_config,
+    )
 
     try:
-        if not os.path.isfile(args.config):
-            raise ConfigError(f"--config={args.config!r}: no such file")
-        config = runpy.run_path(args.config)["get_config"]()
+        config = load_config(args.config)
         config = apply_overrides(complete_config(config), overrides)
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 

@@ -2,7 +2,7 @@
 
 import jax
 
-from gift_jax.bench import quantize_throughput, wire_table
+from gift_jax.apps.bench import quantize_throughput, wire_table
 from gift_jax.models import LlamaConfig, param_shapes
 
 

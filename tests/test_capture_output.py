@@ -1,7 +1,8 @@
-"""Two-sided K-FAC capture (gift_jax.capture.kfac_value_and_grad): the output-side statistic
-B = E_t[g_t g_tᵀ] = N·Σ_t δ_t δ_tᵀ against a hand computation with ``jax.grad`` w.r.t. the layer
-outputs, the input side, loss and gradients against the plain paths, model restoration, nnx.scan
-stacks, a tiny Llama with ``gift(two_sided=True)``, and the trainer's ``gift.two_sided``.
+"""Two-sided K-FAC capture (gift_jax.whitening.capture.kfac_value_and_grad): the output-side
+statistic B = E_t[g_t g_tᵀ] = N·Σ_t δ_t δ_tᵀ against a hand computation with ``jax.grad``
+w.r.t. the layer outputs, the input side, loss and gradients against the plain paths, model
+restoration, nnx.scan stacks, a tiny Llama with ``gift(two_sided=True)``, and the trainer's
+``gift.two_sided``.
 """
 
 import jax
@@ -12,7 +13,8 @@ import pytest
 from flax import nnx
 from nnx_toys import DF, DM, NL, ListModel, ScanModel
 
-from gift_jax.capture import (
+from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from gift_jax.whitening.capture import (
     GiftOutputProbe,
     install_capture,
     kfac_value_and_grad,
@@ -20,8 +22,7 @@ from gift_jax.capture import (
     remove_capture,
     with_input_stats,
 )
-from gift_jax.gift import GiftDimensionNumbers, gift
-from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from gift_jax.whitening.stage import GiftDimensionNumbers, gift
 
 B_, T_ = 2, 5  # batch, sequence: N = 10 tokens per layer
 TOL = dict(rtol=1e-4, atol=1e-7)

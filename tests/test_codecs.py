@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gift_jax import codecs as C
+from gift_jax.comm import codecs as C
 
 PER_TENSOR = ["bf16", "fp8_e4m3", "fp8_e5m2"]
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gift_jax as gj
-from gift_jax import codecs as C
+from gift_jax.comm import codecs as C
 
 N = 8
 

@@ -22,7 +22,7 @@ def test_import_sets_one_thread_and_respects_the_user():
 
 
 def test_limit_reports_whether_it_applied(monkeypatch):
-    from gift_jax.cpu_threads import limit_openblas_threads
+    from gift_jax.utils.cpu_threads import limit_openblas_threads
 
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert limit_openblas_threads() is False

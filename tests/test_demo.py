@@ -4,11 +4,14 @@ import pathlib
 
 import pytest
 
-from gift_jax.demo import format_table, run_demo
-from gift_jax.plotting import plot_runs, read_metrics
+from gift_jax.apps.demo import format_table, run_demo
+from gift_jax.apps.plotting import plot_runs, read_metrics
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
 SMALL = """
 import pathlib, runpy
+
 def get_config():
     config = runpy.run_path(str(pathlib.Path({tiny!r})))["get_config"]()
     config.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, max_seq_len=16)
@@ -21,7 +24,7 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     tiny = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
     cfg = tmp_path / "small.py"
     cfg.write_text(SMALL.format(tiny=str(tiny)))
-    rows = run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg,
+    rows = run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False,
                     compiler_options={"xla_backend_optimization_level": 0})
     (row,) = rows
     assert row["mode"] == "fp8" and 0.24 < row["wire_vs_fp32"] < 0.27
@@ -32,10 +35,10 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         read_metrics(tmp_path / "nope")
     # the README command is re-runnable: a second run replaces the first one's workdir ...
-    again = run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg,
+    again = run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False,
                      compiler_options={"xla_backend_optimization_level": 0})
     assert again[0]["eval_loss"] == row["eval_loss"]  # same seed, fresh run
     # ... but never a directory holding anything else
     (tmp_path / "fp8" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes.txt"):
-        run_demo(tmp_path, steps=4, modes=("fp8",), show_progress=False, config_file=cfg)
+        run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False)

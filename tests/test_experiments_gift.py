@@ -10,9 +10,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gift_jax import quantized_psum
-from gift_jax.experiments import profile as pf
-from gift_jax.experiments import roundtrip as rt
+from gift_jax.apps.experiments import profile as pf
+from gift_jax.apps.experiments import roundtrip as rt
 from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
 R = 8
 

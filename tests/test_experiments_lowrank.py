@@ -1,4 +1,4 @@
-"""Smoke tests of gift_jax.experiments_lowrank (tiny model, a few steps, in-memory corpus)."""
+"""Smoke tests of gift_jax.apps.experiments.lowrank (tiny model, a few steps, in-memory corpus)."""
 
 import math
 
@@ -7,9 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-from gift_jax import experiments_lowrank as E
+from gift_jax.apps.experiments import lowrank as E
 from gift_jax.data import TokenSource
 from gift_jax.models import param_shapes
+
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
 TINY = E.CompareSettings(
     model=(("vocab_size", 256), ("d_model", 32), ("num_layers", 1), ("num_heads", 2),

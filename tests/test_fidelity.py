@@ -1,12 +1,12 @@
-"""Tests of the fidelity metrics (gift_jax.fidelity)."""
+"""Tests of the fidelity metrics (gift_jax.whitening.fidelity)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gift_jax import fidelity as fd
 from gift_jax import whitening as wh
+from gift_jax.whitening import fidelity as fd
 
 
 def _normal(seed, shape):

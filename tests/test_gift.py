@@ -7,8 +7,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.comm_stage import allreduce
-from gift_jax.gift import GiftDimensionNumbers, gift, leaf_path, refresh_due, select_layers
+from gift_jax.comm.stage import allreduce
+from gift_jax.whitening.stage import (
+    GiftDimensionNumbers,
+    gift,
+    leaf_path,
+    refresh_due,
+    select_layers,
+)
 
 D = 8  # devices
 N, M, T = 32, 8, 64  # layer width in/out, tokens per device
@@ -337,8 +343,8 @@ def test_bad_settings_and_inputs():
         gift(PMEAN, dimension_numbers={"*/mlp/down_proj": GiftDimensionNumbers(0, 5)}).init(p)
     with pytest.raises(ValueError, match="damping"):
         gift(PMEAN, damping=0.0)
-    with pytest.raises(ValueError, match="refresh_every"):
-        gift(PMEAN, refresh_every=0)
+    with pytest.raises(TypeError, match="refresh_every"):  # the host's schedule, not the stage's
+        gift(PMEAN, refresh_every=50)
     with pytest.raises(ValueError, match="factor"):
         gift(PMEAN, factor="cholesky")
     with pytest.raises(ValueError, match="ema"):
@@ -389,13 +395,13 @@ def test_converges_with_sgd_through_the_fp8_stage():
 
 
 # ------------------------------------------------------------------------------------------
-# Capture of input statistics from Flax NNX models (gift_jax.capture).
+# Capture of input statistics from Flax NNX models (gift_jax.whitening.capture).
 # ------------------------------------------------------------------------------------------
 
 from flax import nnx  # noqa: E402
 from nnx_toys import DF, DM, NL, ListModel, ScanModel  # noqa: E402
 
-from gift_jax.capture import find_linear_layers, with_input_stats  # noqa: E402
+from gift_jax.whitening.capture import find_linear_layers, with_input_stats  # noqa: E402
 
 
 def _loss(model, x):
@@ -492,7 +498,7 @@ def test_distributed_refresh_equals_replicated_and_gathers_factors(factor):
         x = rng.standard_normal((D, *lead, T, N)) * 0.8 ** np.arange(N)
         stats[name] = jnp.asarray(np.einsum("...ti,...tj->...ij", x, x) / T, jnp.float32)
     grads = {k: _normal(22, (D, *v.shape)) for k, v in params.items()}
-    dims = {"stack": GiftDimensionNumbers(input_axis=1, output_axis=2)}
+    dims = {"stack": GiftDimensionNumbers(reduction_axis=1, output_axis=2)}
     rep = jax.sharding.NamedSharding(_mesh(), P())
 
     def run(distribute):

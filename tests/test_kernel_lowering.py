@@ -14,10 +14,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gift_jax as gj
-from gift_jax import codecs as C
-from gift_jax.kernels import backend as kb
-from gift_jax.kernels import quantize as qk
-from gift_jax.kernels import roofline as R
+from gift_jax.comm import codecs as C
+from gift_jax.comm.kernels import backend as kb
+from gift_jax.comm.kernels import quantize as qk
+from gift_jax.comm.kernels import roofline as R
 from gift_jax.models import LlamaConfig
 
 CODECS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 128),

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gift_jax import codecs as C
-from gift_jax.kernels import backend as kb
-from gift_jax.kernels import quantize as qk
+from gift_jax.comm import codecs as C
+from gift_jax.comm.kernels import backend as kb
+from gift_jax.comm.kernels import quantize as qk
 
 CASES = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
          ("fp8_e5m2", 48), ("mxfp8", None), ("nvfp4", None)]

@@ -737,7 +737,7 @@ def test_mask_selecting_non_2d_leaf_without_dimension_numbers_raises():
 
 def test_layout_rules_sides_ranks_and_exact_leaves():
     from gift_jax.lowrank import LeafLayout
-    from gift_jax.lowrank.layout import resolve_layouts
+    from gift_jax.lowrank.views import resolve_layouts
 
     params = {
         "up": jnp.zeros((8, 32)),  # output side larger → projected on the output side

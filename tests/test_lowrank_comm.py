@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax as gj
 from gift_jax import whitening as wh
-from gift_jax.comm_stage import reset_error_feedback
-from gift_jax.gift import gift
+from gift_jax.comm.stage import reset_error_feedback
 from gift_jax.lowrank import scale_by_plumage
+from gift_jax.whitening.stage import gift
 
 D = 8
 KERNEL = "mlp/down_proj/kernel"

@@ -42,6 +42,8 @@ from gift_jax.training import (  # noqa: E402
 )
 from gift_jax.training.program import program_for  # noqa: E402
 
+pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 24  # num_steps of every config here (smoke runs stop early with stop_after)
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -161,7 +163,7 @@ def test_loss_goes_down_with_eval_and_outputs(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     diag = [r for r in records if "wire/bytes_per_step_ordinary" in r]
     assert diag and 0 < diag[0]["wire/bytes_per_step_ordinary"] < diag[0]["wire/fp32_reference"]
-    if importlib.util.find_spec("gift_jax.fidelity"):
+    if importlib.util.find_spec("gift_jax.whitening.fidelity"):
         assert 0 < diag[0]["fidelity/relative_l2"] < 0.2
     assert list((tmp_path / "tensorboard").iterdir())
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -424,9 +426,9 @@ def test_checkpoint_predating_a_setting_resumes_only_at_its_default():
 
 
 def test_trainer_two_sided_gift_replicas_identical():
-    """gift.two_sided: the refresh variant captures A and B (gift_jax.capture.
+    """gift.two_sided: the refresh variant captures A and B (gift_jax.whitening.capture.
     kfac_value_and_grad, also under gradient accumulation) and GIFT whitens both sides."""
-    from gift_jax.gift import GiftState
+    from gift_jax.whitening.stage import GiftState
 
     config = small_config("gift_fp8", **{
         "train.grad_accum_steps": 2, "gift.two_sided": True,
@@ -448,9 +450,9 @@ def test_trainer_two_sided_gift_replicas_identical():
 
 
 def test_step_times_interleaved_rows():
-    """gift_jax.training.timing (scripts/bench_step.py): one row per config, refresh times only
+    """gift_jax.apps.step_timing (scripts/bench_step.py): one row per config, refresh times only
     for configs with a refresh variant, all positive."""
-    from gift_jax.training.timing import step_times
+    from gift_jax.apps.step_timing import step_times
 
     configs = {"fp8": small_config("fp8"), "gift_fp8": small_config("gift_fp8")}
     rows = step_times(configs, make_mesh(), repeats=2, refresh_repeats=1, compiler_options=FAST)
@@ -537,3 +539,17 @@ def test_checkpoint_of_the_former_vocabulary_resumes_bit_exactly(tmp_path, monke
     assert resumed.step == 6
     assert_trees_equal(resumed.params, full.params)
     assert_trees_equal(resumed.opt_state, full.opt_state)
+
+
+def test_load_config_names_missing_files_and_missing_get_config(tmp_path):
+    from gift_jax.training.config import ConfigError, load_config
+
+    configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
+    by_name, by_path = load_config("tiny", configs), load_config(configs / "tiny.py")
+    assert by_name.to_dict() == by_path.to_dict()
+    with pytest.raises(ConfigError, match="'nope': no such file"):
+        load_config("nope", configs)
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="bad.py' defines no get_config"):
+        load_config(bad)

@@ -19,7 +19,6 @@ from gift_jax.lowrank.estimator import (
     systematic_sample,
     transfer_bias_mass,
 )
-from gift_jax.lowrank.layout import LeafLayout, LowRankDimensionNumbers, mask_excluding
 from gift_jax.lowrank.transform import (
     AdaptiveRefresh,
     LeafState,
@@ -29,6 +28,7 @@ from gift_jax.lowrank.transform import (
     refresh_due,
     scale_by_plumage,
 )
+from gift_jax.lowrank.views import LeafLayout, LowRankDimensionNumbers, mask_excluding
 
 __all__ = [
     "AdaptiveRefresh",

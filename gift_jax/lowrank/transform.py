@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gift_jax.batching import map_matrices_grouped
-from gift_jax.comm_stage import allreduce_axis, leaf_path, reset_error_feedback
+from gift_jax.comm.stage import allreduce_axis, reset_error_feedback
 from gift_jax.lowrank import estimator
-from gift_jax.lowrank.layout import LeafLayout, resolve_layouts
+from gift_jax.lowrank.views import LeafLayout, resolve_layouts
+from gift_jax.utils.linalg import map_matrices_grouped
+from gift_jax.utils.tree_paths import leaf_path
 
 __all__ = [
     "AdaptiveRefresh",
@@ -293,7 +294,7 @@ def _left_singular(g: jax.Array) -> tuple[jax.Array, jax.Array]:
 def refresh(s: Settings, state: PlumageState, grads: Any, layouts: Any,
             axis: Any = None) -> PlumageState:
     """New projections from ``grads``: SVD ``G = U diag(σ) Vᵀ`` per projected matrix (spread
-    over ``axis`` when given, see :func:`gift_jax.batching.map_matrices_grouped`), then
+    over ``axis`` when given, see :func:`gift_jax.utils.linalg.map_matrices_grouped`), then
     :func:`draw_projector` and :func:`change_projection`. A batch element whose gradient is
     not finite keeps its projection (counted in ``skipped_refreshes``); τ follows
     :func:`adapt_interval` if ``s.adaptive``."""
@@ -584,7 +585,7 @@ def scale_by_plumage(
       scale: GaLore's ``α``, multiplies the updates of projected leaves only.
       seed: seed of the sampling key kept in state (identical on all replicas).
       weight_dimension_numbers: how leaves are viewed as matrices, see
-        :func:`gift_jax.lowrank.layout.resolve_layouts`.
+        :func:`gift_jax.lowrank.views.resolve_layouts`.
       mask: pytree of bools or callable: which leaves to project (e.g.
         :func:`mask_excluding` ``("embed", "head")``).
       adaptive_refresh: optional :class:`AdaptiveRefresh` rule for τ.

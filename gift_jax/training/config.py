@@ -19,12 +19,15 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import os
+import pathlib
+import runpy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ml_collections
 
-from gift_jax.codecs import CODEC_NAMES
+from gift_jax.comm.codecs import CODEC_NAMES
 from gift_jax.training.method import METHODS
 
 #: ``comm.codec`` values (the all-reduce's wire format).
@@ -106,6 +109,26 @@ def _legacy_mode_error(mode: str) -> ConfigError:
     return ConfigError(
         f"comm.mode={mode!r}: comm.mode was replaced by comm.codec ({', '.join(CODECS)}) and "
         f"comm.method ({', '.join(METHODS)}); {pairs}")
+
+
+def load_config(name_or_path: str | os.PathLike,
+                config_dir: str | os.PathLike | None = None) -> ml_collections.ConfigDict:
+    """``get_config()`` of a config file: a path, or with ``config_dir`` a bare name such as
+    ``"tiny"`` for ``<config_dir>/tiny.py``. The one config loader of the package; it reads only
+    what the caller names (scripts pass the repository's ``configs/``).
+
+    Raises :class:`ConfigError` naming the file when it is missing or defines no
+    ``get_config()``.
+    """
+    path = pathlib.Path(name_or_path)
+    if config_dir is not None and not path.suffix and len(path.parts) == 1:
+        path = pathlib.Path(config_dir) / f"{path}.py"
+    if not path.is_file():
+        raise ConfigError(f"config {str(name_or_path)!r}: no such file ({path})")
+    get_config = runpy.run_path(str(path)).get("get_config")
+    if not callable(get_config):
+        raise ConfigError(f"config file {str(path)!r} defines no get_config()")
+    return get_config()
 
 
 def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -129,7 +129,7 @@ class GiftPlan(CommPlan):
     name = "gift"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
-        from gift_jax.gift import refresh_due
+        from gift_jax.whitening.stage import refresh_due
 
         del opt_state
         return refresh_due(step, self.refresh_every)
@@ -147,16 +147,15 @@ class GiftPlan(CommPlan):
         return approx, factors or None
 
     def build(self, config, axes, schedule):
-        from gift_jax.gift import gift
         from gift_jax.training import optim
         from gift_jax.training.config import GIFT_REMAINDERS
+        from gift_jax.whitening.stage import gift
 
         g = config.gift
         stage = gift(
             optim.allreduce_stage(config, axes, self.codec),
             layers=self.gift_layers,
             rank=g.rank,
-            refresh_every=g.refresh_every,
             factor=GIFT_REMAINDERS[g.remainder],
             damping=g.damping,
             ema=g.ema,
@@ -188,9 +187,13 @@ class PlumagePlan(CommPlan):
         return {"plumage_refresh": refresh, **super().update_kwargs(refresh, stats)}
 
     def grad_norm(self, inner_state, refresh):
-        """PLUMAGE keeps two communication states (ordinary and refresh steps): the one used."""
-        found = _grad_norm_states(inner_state)
-        return (found[-1] if refresh else found[0]).norm
+        """PLUMAGE keeps two communication states (ordinary and refresh steps): the one used
+        (refresh steps fall back to the ordinary one when no separate refresh stage exists)."""
+        from gift_jax.lowrank import find_plumage_state
+
+        state = find_plumage_state(inner_state)
+        found = _grad_norm_states(state.refresh_comm_state) if refresh else []
+        return (found or _grad_norm_states(state.comm_state))[0].norm
 
     def build(self, config, axes, schedule):
         from gift_jax.lowrank import plumage

@@ -29,9 +29,7 @@ parameters and the whole optimizer state (moments, error-feedback buffers, keys)
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -41,40 +39,15 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 import gift_jax
-from gift_jax.lowrank.layout import resolve_layouts
+from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
 from gift_jax.training.method import CommPlan, comm_plan
+from gift_jax.utils.tree_paths import leaf_path, matches, path_mask
 
 log = logging.getLogger("gift_jax.training")
 
 #: Parameters kept off Muon and off low-rank projection (embeddings, output head).
 DENSE_PATTERNS = ("embed/*", "lm_head/*")
-
-
-def leaf_path(path: Sequence[Any]) -> str:
-    """'/'-joined pytree path of a parameter, e.g. ``layers/3/mlp/down_proj/kernel``."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
-def matches(path: str, patterns: Sequence[str]) -> bool:
-    """Whether a parameter path matches a pattern, given for the leaf or for its module
-    (``*/mlp/down_proj`` selects ``layers/0/mlp/down_proj/kernel``); ``*`` also matches ``/``."""
-    return any(
-        fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + "/kernel") for p in patterns
-    )
-
-
-def path_mask(params: Any, patterns: Sequence[str]) -> Any:
-    """Tree of bools: True where the leaf's path matches one of ``patterns``."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: matches(leaf_path(p), patterns), params)
 
 
 # ---- schedule -------------------------------------------------------------------------------
@@ -244,7 +217,7 @@ def projected_gift(config, stage, axes) -> optax.GradientTransformation:
     """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
     ``gift.layers``: whitened with the factor of ``MᵀAM`` (``projected_dim=plumage.rank``),
     rebuilt on every PLUMAGE refresh (``gift.refresh_every`` does not apply)."""
-    from gift_jax.gift import gift
+    from gift_jax.whitening.stage import gift
 
     g = config.gift
     return gift(

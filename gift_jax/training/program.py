@@ -68,7 +68,7 @@ class Program:
 
     @functools.cached_property
     def diagnose(self) -> Callable | None:
-        """Jitted fidelity diagnostic, or ``None`` without :mod:`gift_jax.fidelity`."""
+        """Jitted fidelity diagnostic, or ``None`` without :mod:`gift_jax.whitening.fidelity`."""
         if not fidelity_available():
             return None
         return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,

@@ -102,17 +102,17 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
                           two_sided: bool = False):
     """(mean loss, mean gradient, mean input statistics) of this device's tokens; with
     ``two_sided`` the statistics are ``(A, B)``, B the per-token output-side second moment
-    (:func:`gift_jax.capture.kfac_value_and_grad`)."""
+    (:func:`gift_jax.whitening.capture.kfac_value_and_grad`)."""
 
     def one(p, toks):
         if capture_layers and two_sided:
-            from gift_jax.capture import kfac_value_and_grad
+            from gift_jax.whitening.capture import kfac_value_and_grad
 
             fn = kfac_value_and_grad(next_token_loss, capture_layers)
             (loss, stats), g = fn(model_def.merge(p), toks)
             return loss, nnx.to_pure_dict(g), stats
         if capture_layers:
-            from gift_jax.capture import with_input_stats
+            from gift_jax.whitening.capture import with_input_stats
 
             fn = with_input_stats(next_token_loss, capture_layers)
             (loss, stats), g = jax.value_and_grad(
@@ -181,8 +181,8 @@ def eval_step_fn(model_def: ModelDef, mesh: Mesh) -> Callable:
 
 
 def fidelity_available() -> bool:
-    """Whether :mod:`gift_jax.fidelity` (round-trip metrics) is installed."""
-    return importlib.util.find_spec("gift_jax.fidelity") is not None
+    """Whether :mod:`gift_jax.whitening.fidelity` (round-trip metrics) is installed."""
+    return importlib.util.find_spec("gift_jax.whitening.fidelity") is not None
 
 
 def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any,
@@ -192,10 +192,10 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
 
     The reduction is the run's communication stage with its current state (GIFT factors) but
     zeroed error-feedback buffers; for PLUMAGE, its all-reduce stage on the full gradient.
-    Metrics are :func:`gift_jax.fidelity.fidelity_report`'s aggregate (plus the whitened error
-    of GIFT's selected layers).
+    Metrics are :func:`gift_jax.whitening.fidelity.fidelity_report`'s aggregate (plus the
+    whitened error of GIFT's selected layers).
     """
-    from gift_jax.fidelity import fidelity_report
+    from gift_jax.whitening.fidelity import fidelity_report
 
     axes = data_axes(mesh)
     axis = axes[0] if len(axes) == 1 else axes

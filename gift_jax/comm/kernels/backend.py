@@ -25,8 +25,8 @@ import warnings
 
 import jax
 
-from gift_jax.codecs import Codec
-from gift_jax.kernels.quantize import KERNELS
+from gift_jax.comm.codecs import Codec
+from gift_jax.comm.kernels.quantize import KERNELS
 
 BACKENDS = ("auto", "xla", "pallas")
 #: jax.export platform names of the kernel platforms.
@@ -138,7 +138,8 @@ def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = N
 
 
 def quantize(x, codec: Codec, leaf_scale=None, rand_bits=None, *, backend: str = "auto"):
-    """Quantize ``x: f32[rows, B]`` (see :func:`gift_jax.kernels.quantize.quantize_reference`)."""
+    """Quantize ``x: f32[rows, B]`` (see
+    :func:`gift_jax.comm.kernels.quantize.quantize_reference`)."""
     kernel, reference = KERNELS["quantize"]
     args = (x, leaf_scale, rand_bits)
     if choose(backend, "quantize", codec, args) == "xla":

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gift_jax.codecs import Codec
+from gift_jax.comm.codecs import Codec
 
 #: Default bucket capacity in elements (64 MiB of fp32).
 DEFAULT_BUCKET_ELEMS = 1 << 24

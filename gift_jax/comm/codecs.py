@@ -5,7 +5,7 @@ its bytes are laid out. Every codec works on *rows*: a flat buffer is viewed as 
 where ``B`` is the codec's row size, and each row carries at most one scale of its own
 (per-block codecs) plus, optionally, a scale shared by all rows of the same leaf (per-tensor
 codecs and NVFP4's second level). The functions here are pure ``jnp`` and are the single source
-of the element math: the Pallas kernels in :mod:`gift_jax.kernels.quantize` call the very same
+of the element math: the Pallas kernels in :mod:`gift_jax.comm.kernels.quantize` call the very same
 functions on the tiles they load, and the XLA path calls them on whole arrays, so both paths
 are bit-identical by construction (and tested to be).
 

@@ -15,7 +15,7 @@ with ``ref`` (the fp32 reduction of the same gradients), in the frames of GIFT
 
 :func:`fidelity_report` returns a per-leaf dict and an aggregate (norms pooled over leaves;
 max over leaves for the max error).  Leaves are keyed by '/'-joined path (as in
-:func:`gift_jax.gift.leaf_path`).
+:func:`gift_jax.utils.tree_paths.leaf_path`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gift_jax import whitening as wh
-from gift_jax.gift import leaf_path
+from gift_jax.utils.tree_paths import leaf_path
 
 __all__ = [
     "adam_normalise",

@@ -20,12 +20,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.codecs import get_codec, leaf_scale_from_amax
-from gift_jax.collectives import quantized_psum
-from gift_jax.kernels import backend as qk
-from gift_jax.kernels import quantize as kq
-from gift_jax.kernels.roofline import traffic
-from gift_jax.wire import WireReport, wire_bytes
+from gift_jax.comm.codecs import get_codec, leaf_scale_from_amax
+from gift_jax.comm.collectives import quantized_psum
+from gift_jax.comm.kernels import backend as qk
+from gift_jax.comm.kernels import quantize as kq
+from gift_jax.comm.kernels.roofline import traffic
+from gift_jax.comm.wire import WireReport, wire_bytes
 
 DEFAULT_CODECS = (("fp32", None), ("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
                   ("fp8_e4m3", 128), ("mxfp8", None), ("nvfp4", None))
@@ -132,7 +132,7 @@ def kernel_check(name: str, block_size: int | None = None, elements: int = 1 << 
     Bit-equality: quantize (round to nearest and stochastic) must match bit for bit; the fp32
     sum of dequantize-accumulate may differ in the last bit where one compiler contracts
     ``decode × scale + sum`` into an FMA and the other does not (reported as a max
-    difference). Throughput: bytes per :func:`gift_jax.kernels.roofline.traffic` over the best
+    difference). Throughput: bytes per :func:`gift_jax.comm.kernels.roofline.traffic` over the best
     time, and, with ``hbm_GBps``, as a fraction of that bandwidth.
     """
     platform = qk.device_platform()

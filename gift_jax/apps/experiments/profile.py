@@ -2,7 +2,7 @@
 
 Layer profile (:func:`profile_layers`).  For every linear layer's kernel gradient, over a window
 of training steps starting at a checkpoint step s, with R simulated replicas
-(:func:`gift_jax.experiments.roundtrip.make_replica_fn`):
+(:func:`gift_jax.apps.experiments.roundtrip.make_replica_fn`):
 
 * the artifact's **stale, synced scales**: one per-tensor scale per layer, computed at step s
   from the replicas' gradients (``max_r amax(G_r)/fmax``, shared by all replicas) and reused
@@ -43,9 +43,8 @@ import ml_dtypes
 import numpy as np
 
 from gift_jax import whitening as wh
-from gift_jax.bench import best_time
-from gift_jax.codecs import get_codec
-from gift_jax.experiments.roundtrip import (
+from gift_jax.apps.bench import best_time
+from gift_jax.apps.experiments.roundtrip import (
     Trainer,
     capture_replicas,
     make_replica_fn,
@@ -54,6 +53,8 @@ from gift_jax.experiments.roundtrip import (
     tensor_quantize,
     tensor_scale,
 )
+from gift_jax.comm.codecs import get_codec
+from gift_jax.utils.tree_paths import matches
 
 __all__ = [
     "bench_gift_step",
@@ -173,10 +174,7 @@ def rank_layers(profile: dict[str, dict[str, float]],
                 candidates: Sequence[str] | None = None) -> list[str]:
     """Kernel paths sorted by vulnerability: saturation, then underflow, then round-trip error
     (all descending); restricted to paths matching ``candidates`` patterns if given."""
-    from gift_jax.gift import _matches
-
-    paths = [p for p in profile if candidates is None
-             or any(_matches(p, c) for c in candidates)]
+    paths = [p for p in profile if candidates is None or matches(p, candidates)]
     return sorted(paths, key=lambda p: (-profile[p]["saturation"],
                                         -(profile[p]["flushed"] + profile[p]["subnormal"]),
                                         -profile[p]["rt_euclidean"]))
@@ -290,8 +288,8 @@ def bench_gift_step(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from gift_jax.comm_stage import allreduce
-    from gift_jax.gift import gift, select_layers
+    from gift_jax.comm.stage import allreduce
+    from gift_jax.whitening.stage import gift, select_layers
 
     if mesh is None:
         mesh = jax.make_mesh((len(jax.devices()),), ("data",))
@@ -315,7 +313,7 @@ def bench_gift_step(
 
     euclid = allreduce("data", codec)
     stage = gift(allreduce("data", codec), layers=tuple(layers), rank=rank,
-                 refresh_every=refresh_every, factor=factor, eig_method=eig_method)
+                 factor=factor, eig_method=eig_method)
 
     def run(tx, with_stats):
         def body(g, st, *a):

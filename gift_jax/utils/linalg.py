@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gift_jax.collectives import AxisName, _all_gather_invariant, axis_size
+from gift_jax.utils.axes import AxisName, all_gather_invariant, axis_size
 
 __all__ = ["map_matrices", "map_matrices_grouped", "map_matrices_sharded"]
 
@@ -71,7 +71,7 @@ def map_matrices_sharded(fn: Callable[..., Any], *xs: Any, axis_name: AxisName |
     mine = [None if x is None else jax.lax.dynamic_slice_in_dim(
         jnp.take(x, rows, axis=0), start, chunk) for x in xs]
     out = map_matrices(fn, *mine)
-    return jax.tree.map(lambda y: _all_gather_invariant(y, axis_name, tiled=True)[:total], out)
+    return jax.tree.map(lambda y: all_gather_invariant(y, axis_name, tiled=True)[:total], out)
 
 
 def _signature(args: Sequence[Any]) -> tuple:

@@ -20,9 +20,9 @@ itself.  ``*`` also matches ``/``.  A pattern that selects nothing is a ``ValueE
 
 Dimension numbers.  A selected 2-D leaf is (in × out).  Other leaves need
 :class:`GiftDimensionNumbers` (``dimension_numbers={pattern: dims}``; same matching rule):
-attention kernels (embed, heads, head_dim) use ``input_axis=0, output_axis=(1, 2)``; an
-output projection (heads, head_dim, embed) uses ``input_axis=(0, 1), output_axis=2``; layers
-stacked by ``nnx.scan`` (L, in, out) use ``input_axis=1, output_axis=2``.  Axes named in
+attention kernels (embed, heads, head_dim) use ``reduction_axis=0, output_axis=(1, 2)``; an
+output projection (heads, head_dim, embed) uses ``reduction_axis=(0, 1), output_axis=2``; layers
+stacked by ``nnx.scan`` (L, in, out) use ``reduction_axis=1, output_axis=2``.  Axes named in
 neither are batch axes, each with its own factor (the convention of optax.contrib.muon).
 
 Refresh semantics.  The stage refreshes exactly on the calls that pass statistics,
@@ -30,15 +30,16 @@ Refresh semantics.  The stage refreshes exactly on the calls that pass statistic
 compiles a refresh variant and an ordinary variant, and the ordinary one does no statistics work
 (no ``lax.cond``, no counter that could drift under ``optax.MultiSteps``).  ``stats`` maps each
 selected leaf path to its *local* (per-device) mean second moment, shape ``batch + (n, n)``
-(what :func:`gift_jax.capture.with_input_stats` returns); the stage averages it over
+(what :func:`gift_jax.whitening.capture.with_input_stats` returns); the stage averages it over
 ``axis_name`` (``None`` = single device), folds it into an EMA (the first refresh takes it as
 is), and rebuilds the factors (spread over the replicas and all-gathered unless
 ``distribute_refresh=False``), which are therefore identical on every replica; this step is
 already whitened with the new factors.  Robustness: a layer whose reduced statistic is
 non-finite keeps its previous EMA and gets the identity factor until the next refresh; a factor
 that comes out non-finite is rebuilt with 100× damping, then replaced by the identity
-(:func:`gift_jax.whitening.make_factor`); both are counted in the state.  ``refresh_every`` is
-the host's schedule (:func:`refresh_due`); the state counts steps since the last refresh.
+(:func:`gift_jax.whitening.make_factor`); both are counted in the state.  When to refresh is
+the host's decision (e.g. :func:`refresh_due` every K steps; the artifact's K is 50): the stage
+refreshes exactly when it is given ``gift_stats``, and counts steps since the last refresh.
 Before the first refresh the factor is the identity, i.e. the stage is a pass-through to
 ``inner``.
 
@@ -59,8 +60,6 @@ A refresh changes W, so the stage re-expresses each replica's residual in the ne
 
 from __future__ import annotations
 
-import fnmatch
-import math
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -71,8 +70,10 @@ import numpy as np
 import optax
 
 from gift_jax import whitening as wh
-from gift_jax.batching import map_matrices_grouped
-from gift_jax.comm_stage import AllReduceState, allreduce_axis, leaf_path
+from gift_jax.comm.stage import AllReduceState, allreduce_axis, allreduce_spec
+from gift_jax.utils.linalg import map_matrices_grouped
+from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
+from gift_jax.utils.tree_paths import leaf_path, matches
 
 __all__ = [
     "GiftDimensionNumbers",
@@ -84,15 +85,10 @@ __all__ = [
 ]
 
 
-class GiftDimensionNumbers(NamedTuple):
-    """Which axes of a kernel are its input side (whitened) and its output side.
-
-    Axes in neither are batch axes (e.g. the layer axis of ``nnx.scan``-stacked layers): each
-    index along them has its own statistics and factor.
-    """
-
-    input_axis: Sequence[int] | int = 0
-    output_axis: Sequence[int] | int = 1
+#: Which axes of a kernel are its input side (whitened: ``reduction_axis``) and its output side
+#: (``output_axis``); other axes are batch axes, each index with its own statistics and factor.
+#: The matrix view shared with PLUMAGE (:mod:`gift_jax.utils.matrices`, optax's convention).
+GiftDimensionNumbers = MatrixDimensionNumbers
 
 
 class GiftState(NamedTuple):
@@ -135,85 +131,36 @@ def refresh_due(step: int, refresh_every: int) -> bool:
     return step % refresh_every == 0
 
 
-def _matches(path: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + "/kernel")
-
-
-def _as_tuple(ax: Sequence[int] | int) -> tuple[int, ...]:
-    return (ax,) if isinstance(ax, int) else tuple(ax)
-
-
-class _Layout(NamedTuple):
-    """Static layout of a selected leaf: (batch, in, out) axes and sizes."""
-
-    batch_axes: tuple[int, ...]
-    in_axes: tuple[int, ...]
-    out_axes: tuple[int, ...]
-    batch_shape: tuple[int, ...]
-    n: int
-    m: int
-
-
-def _layout(path: str, shape: tuple[int, ...], dims: GiftDimensionNumbers | None) -> _Layout:
-    ndim = len(shape)
+def _layout(path: str, shape: tuple[int, ...], dims: Any) -> MatrixView:
     if dims is None:
-        if ndim != 2:
+        if len(shape) != 2:
             raise ValueError(
                 f"gift: selected leaf {path!r} has shape {shape}; a leaf that is not a 2-D "
                 "(in × out) kernel needs an entry in dimension_numbers"
             )
-        dims = GiftDimensionNumbers()
-    try:
-        ins = tuple(a % ndim for a in _as_tuple(dims.input_axis))
-        outs = tuple(a % ndim for a in _as_tuple(dims.output_axis))
-    except ZeroDivisionError:
-        ins, outs = (), ()
-    if not ins or not outs or set(ins) & set(outs) or any(
-        not -ndim <= a < ndim for a in _as_tuple(dims.input_axis) + _as_tuple(dims.output_axis)
-    ):
-        raise ValueError(
-            f"gift: dimension_numbers {dims} do not fit leaf {path!r} of shape {shape} "
-            "(input and output axes must be non-empty, disjoint and in range)"
-        )
-    batch = tuple(a for a in range(ndim) if a not in ins and a not in outs)
-    return _Layout(
-        batch, ins, outs, tuple(shape[a] for a in batch),
-        math.prod(shape[a] for a in ins), math.prod(shape[a] for a in outs),
-    )
-
-
-def _to_matrix(x: jax.Array, lay: _Layout) -> jax.Array:
-    """(…) → (B, n, m) with n the input axes, m the output axes."""
-    perm = lay.batch_axes + lay.in_axes + lay.out_axes
-    n = math.prod(x.shape[a] for a in lay.in_axes)
-    return x.transpose(perm).reshape(math.prod(lay.batch_shape), n, -1)
-
-
-def _from_matrix(y: jax.Array, lay: _Layout, shape: tuple[int, ...]) -> jax.Array:
-    perm = lay.batch_axes + lay.in_axes + lay.out_axes
-    inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
-    return y.reshape(tuple(shape[a] for a in perm)).transpose(inv)
+        dims = MatrixDimensionNumbers()
+    return MatrixView.of(shape, dims, f"gift: dimension_numbers of leaf {path!r}")
 
 
 def select_layers(
     tree: Any,
     layers: Sequence[str],
     dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
-) -> dict[str, _Layout]:
+) -> dict[str, MatrixView]:
     """Map each selected leaf path of ``tree`` to its static layout; validates the patterns."""
     dimension_numbers = dict(dimension_numbers or {})
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [(leaf_path(p), x) for p, x in flat]
     hits = {pat: 0 for pat in layers}
     dim_hits = {pat: 0 for pat in dimension_numbers}
-    out: dict[str, _Layout] = {}
+    out: dict[str, MatrixView] = {}
     for path, x in paths:
-        chosen = [pat for pat in layers if _matches(path, pat)]
+        chosen = [pat for pat in layers if matches(path, pat)]
         if not chosen:
             continue
         for pat in chosen:
             hits[pat] += 1
-        dims_for = [pat for pat in dimension_numbers if _matches(path, pat)]
+        dims_for = [pat for pat in dimension_numbers if matches(path, pat)]
         for pat in dims_for:
             dim_hits[pat] += 1
         dims = dimension_numbers[dims_for[0]] if dims_for else None
@@ -231,7 +178,7 @@ def select_layers(
     return out
 
 
-def _reexpress_residuals(inner_state: Any, updates: Any, sel: Mapping[str, _Layout],
+def _reexpress_residuals(inner_state: Any, updates: Any, sel: Mapping[str, MatrixView],
                          change: Any, spec: Any) -> Any:
     """Carry the error-feedback residuals of ``inner`` across a refresh (old W → new W).
 
@@ -278,7 +225,6 @@ def gift(
     inner: optax.GradientTransformation,
     layers: Sequence[str] = ("*/mlp/down_proj",),
     rank: int = 32,
-    refresh_every: int = 50,
     factor: str = "lowrank_isotropic",
     damping: float = 1e-3,
     ema: float = 0.95,
@@ -302,7 +248,6 @@ def gift(
       inner: the all-reduce stage (any optax transformation; extra args are forwarded to it).
       layers: path patterns of the layers to whiten (see module docstring).
       rank: r of the low-rank factors (``rank >= n`` gives the exact dense factor).
-      refresh_every: K, the host's refresh period (:func:`refresh_due`); artifact: 50.
       factor: one of :data:`gift_jax.whitening.FACTOR_KINDS`.
       damping: ε, relative to tr(A)/n (``damping_mode="relative"``) or absolute.
       ema: EMA decay of the statistics across refreshes (artifact: 0.95); 0 = latest only.
@@ -316,12 +261,12 @@ def gift(
       dimension_numbers: ``{pattern: GiftDimensionNumbers}`` for non-2-D selected leaves.
       two_sided: also whiten the output side with E[δδᵀ] (K-FAC ablation); refreshes then
         need ``gift_output_stats={path: batch + (m, m)}`` too (both sides come from
-        :func:`gift_jax.capture.kfac_value_and_grad`).
+        :func:`gift_jax.whitening.capture.kfac_value_and_grad`).
       projected_dim: k when a PLUMAGE stage before GIFT sends (k × out) projected gradients;
         refreshes then need ``gift_projection={path: batch + (n, k)}``.
       distribute_refresh: spread a refresh's per-layer factor builds over the replicas of
         ``axis_name`` (each builds ~1/R of the layers, the factors are all-gathered; see
-        :mod:`gift_jax.batching`) instead of every replica building every factor.  The
+        :mod:`gift_jax.utils.linalg`) instead of every replica building every factor.  The
         factors agree either way up to fp32 rounding, and are bit-identical across replicas.
       seed: seed of the (replica-identical) randomized eigensolver.
 
@@ -341,8 +286,6 @@ def gift(
         raise ValueError(f"gift: factor must be one of {wh.FACTOR_KINDS}, got {factor!r}")
     if not (isinstance(rank, int) and rank >= 1):
         raise ValueError(f"gift: rank must be an int >= 1, got {rank!r}")
-    if not (isinstance(refresh_every, int) and refresh_every >= 1):
-        raise ValueError(f"gift: refresh_every must be an int >= 1, got {refresh_every!r}")
     if not damping > 0:
         raise ValueError(f"gift: damping must be > 0, got {damping!r}")
     if damping_mode not in ("relative", "absolute"):
@@ -363,30 +306,31 @@ def gift(
         raise ValueError(f"gift: projected_dim must be None or an int >= 1, got {projected_dim!r}")
     if projected_dim is not None and two_sided:
         raise ValueError("gift: projected_dim and two_sided cannot be combined")
-    inner_spec = getattr(inner.update, "allreduce_spec", None)
+    inner_spec = allreduce_spec(inner)
     if inner_spec is not None and inner_spec.intra_axis is not None:
         inner_spec = None  # hierarchical: no error feedback (see gift_jax.allreduce)
     inner = optax.with_extra_args_support(inner)
     use_basis = eig_method == "subspace" and factor.startswith("lowrank")
 
-    def width(lay: _Layout) -> int:
-        return projected_dim if projected_dim is not None else lay.n
+    def width(lay: MatrixView) -> int:
+        return projected_dim if projected_dim is not None else lay.n_reduction
 
-    def ident(lay: _Layout) -> Any:
-        b = math.prod(lay.batch_shape)
+    def ident(lay: MatrixView) -> Any:
+        b = lay.batch
         left = wh.identity_factor(factor, width(lay), rank, block_size)
         if two_sided:
-            left = wh.KroneckerFactor(left, wh.identity_factor(factor, lay.m, rank, block_size))
+            right = wh.identity_factor(factor, lay.n_output, rank, block_size)
+            left = wh.KroneckerFactor(left, right)
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), left)
 
     def init_fn(params):
         sel = select_layers(params, layers, dimension_numbers)
         stats, out_stats, basis, factors = {}, {}, {}, {}
         for path, lay in sel.items():
-            b, n = math.prod(lay.batch_shape), width(lay)
-            stats[path] = jnp.zeros((b, lay.n, lay.n), jnp.float32)
+            b, n = lay.batch, width(lay)
+            stats[path] = jnp.zeros((b, lay.n_reduction, lay.n_reduction), jnp.float32)
             if two_sided:
-                out_stats[path] = jnp.zeros((b, lay.m, lay.m), jnp.float32)
+                out_stats[path] = jnp.zeros((b, lay.n_output, lay.n_output), jnp.float32)
             if use_basis and rank < n:
                 basis[path] = jnp.zeros((b, n, min(rank, n)), jnp.float32)
             factors[path] = ident(lay)
@@ -406,8 +350,9 @@ def gift(
                 f"{sorted(sel)}"
             )
         for path, lay in sel.items():
-            d = {"in": lay.n, "out": lay.m}[side] if side != "proj" else None
-            want = lay.batch_shape + ((d, d) if side != "proj" else (lay.n, projected_dim))
+            n = lay.n_reduction
+            d = {"in": n, "out": lay.n_output}[side] if side != "proj" else None
+            want = lay.batch_shape + ((d, d) if side != "proj" else (n, projected_dim))
             if tuple(jnp.shape(given[path])) != want:
                 raise ValueError(
                     f"gift: {name}[{path!r}] has shape {jnp.shape(given[path])}, expected {want}"
@@ -474,10 +419,10 @@ def gift(
         key = jax.random.fold_in(jax.random.key(seed), state.refreshes)
         jobs = {}
         for path, lay in sel.items():
-            b = math.prod(lay.batch_shape)
+            b = lay.batch
             keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), b)
             p = None if projs is None else jnp.asarray(projs[path], jnp.float32).reshape(
-                b, lay.n, projected_dim)
+                b, lay.n_reduction, projected_dim)
             bas = state.basis.get(path)
             if bas is not None:  # first refresh: no previous basis → random start
                 bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
@@ -510,8 +455,8 @@ def gift(
             path = leaf_path(p)
             if path in sel:
                 lay = sel[path]
-                y = jax.vmap(fn)(factors[path], _to_matrix(x, lay))
-                x = _from_matrix(y, lay, x.shape).astype(x.dtype)
+                y = jax.vmap(fn)(factors[path], lay.to_matrix(x))
+                x = lay.from_matrix(y, shape=x.shape).astype(x.dtype)
             out.append(x)
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -522,9 +467,9 @@ def gift(
         sel = select_layers(updates, layers, dimension_numbers)
         if projected_dim is not None:
             for path, lay in sel.items():
-                if lay.n != projected_dim:
+                if lay.n_reduction != projected_dim:
                     raise ValueError(
-                        f"gift: update of {path!r} has input width {lay.n}, expected "
+                        f"gift: update of {path!r} has input width {lay.n_reduction}, expected "
                         f"projected_dim={projected_dim}"
                     )
         if gift_stats is not None:

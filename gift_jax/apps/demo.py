@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import runpy
 import shutil
 
 from gift_jax.training import train
-from gift_jax.training.config import apply_overrides, complete_config
+from gift_jax.training.config import apply_overrides, complete_config, load_config
 
 #: Demo mode label → ``(comm.codec, comm.method)``; codec ``None``: the config file's
 #: low-precision codec, else :data:`DEFAULT_LOW_PRECISION_CODEC`.
@@ -31,17 +30,15 @@ DEMO_SETTINGS = {
 }
 DEFAULT_LOW_PRECISION_CODEC = "fp8_e4m3"
 DEMO_MODES = tuple(DEMO_SETTINGS)
-CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
-def demo_config(mode: str, steps: int, config_file: str | os.PathLike | None = None):
+def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     """The tiny config with the ``(comm.codec, comm.method)`` of demo mode ``mode`` and a
     short schedule."""
     if mode not in DEMO_SETTINGS:
         raise ValueError(f"demo mode {mode!r} is not one of {', '.join(DEMO_MODES)}")
     codec, method = DEMO_SETTINGS[mode]
-    config = complete_config(
-        runpy.run_path(str(config_file or CONFIGS / "tiny.py"))["get_config"]())
+    config = complete_config(load_config(config_file))
     if codec is None:
         codec = config.comm.codec
         if codec in ("fp32", "bf16"):
@@ -78,13 +75,14 @@ def _last(history, key):
     return values[-1] if values else float("nan")
 
 
-def run_demo(out_dir: str | os.PathLike, steps: int = 100, modes=DEMO_MODES,
-             data: str | None = None, data_dir: str | None = None,
-             show_progress: bool = True, config_file: str | os.PathLike | None = None,
+def run_demo(out_dir: str | os.PathLike, config_file: str | os.PathLike, steps: int = 100,
+             modes=DEMO_MODES, data: str | None = None, data_dir: str | None = None,
+             show_progress: bool = True,
              compiler_options: dict | None = None) -> list[dict]:
     """Train every mode (same seed), write ``<out_dir>/<mode>/`` runs, return table rows.
 
-    ``config_file`` replaces ``configs/tiny.py``; ``compiler_options`` go to the trainer.
+    ``config_file`` is the tiny config (``configs/tiny.py`` in the repository; the scripts pass
+    it); ``compiler_options`` go to the trainer.
     """
     rows = []
     for mode in modes:

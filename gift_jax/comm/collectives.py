@@ -24,7 +24,6 @@ shard across ``axis_name``, and an all-gather back over the intra axis.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,47 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gift_jax.codecs import Codec, abs_max, get_codec, leaf_scale_from_amax, roundtrip
-from gift_jax.kernels import backend as qk
-from gift_jax.layout import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
+from gift_jax.comm.buckets import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
+from gift_jax.comm.codecs import Codec, abs_max, get_codec, leaf_scale_from_amax, roundtrip
+from gift_jax.comm.kernels import backend as qk
+from gift_jax.utils.axes import AxisName, all_gather_invariant, as_varying, axis_size
 
-AxisName = str | tuple[str, ...]
 ACCUMULATE = ("fp32", "fp8")
-
-
-# ---- axis helpers --------------------------------------------------------------------------
-
-
-def axis_size(axis_name: AxisName) -> int:
-    """Size of a bound (tuple of) mesh axis, with a clear error when it is not bound."""
-    try:
-        return int(jax.lax.axis_size(axis_name))
-    except NameError as e:
-        raise ValueError(
-            f"axis_name={axis_name!r} is not bound here: call the collective inside "
-            "jax.shard_map over a mesh that has this axis (or pass axis_name=None for a "
-            "single device)"
-        ) from e
-
-
-_GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
-
-
-def _all_gather_invariant(x: jax.Array, axis_name: AxisName, tiled: bool = False) -> jax.Array:
-    """``all_gather`` whose result is typed *invariant* over the axis (it is: every replica
-    holds the same bytes), so outputs can leave ``shard_map`` as ``P()`` under ``check_vma``."""
-    if _GATHER_HAS_TO:
-        return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")
-    return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled)
-
-
-def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Type a per-device value as varying over the axis (for ``check_vma=True``)."""
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axis_name, to="varying")
-    if hasattr(jax.lax, "pvary"):
-        return jax.lax.pvary(x, axis_name)
-    return x
 
 
 def _to_bytes(a: jax.Array) -> jax.Array:
@@ -127,7 +91,7 @@ class Collective:
 
     Attributes:
       axis_name: mesh axis (or tuple of axes) to reduce over; ``None`` = single device.
-      codec: the wire format (:func:`gift_jax.codecs.get_codec`).
+      codec: the wire format (:func:`gift_jax.comm.codecs.get_codec`).
       global_scale: share one per-tensor scale across replicas (one tiny ``pmax``); needed
         only to emulate FP8 accumulation, where all senders must use the same scale.
       accumulate: ``"fp32"`` (default, exact sum of decoded values) or ``"fp8"`` (emulate a
@@ -222,7 +186,7 @@ def reduce_scatter_rows(
 
 def _fp8_ring_sum(payload, codec: Codec, leaf_rows):
     """Emulated FP8 accumulation: every partial sum is rounded back to the (shared) format."""
-    from gift_jax.codecs import decode_rows, encode_rows
+    from gift_jax.comm.codecs import decode_rows, encode_rows
 
     acc = None
     for n in range(payload.shape[0]):
@@ -251,7 +215,7 @@ def all_gather_rows(
     P = axis_size(axis)
     rs, B = shard.shape
     if codec.is_exact:
-        out = _all_gather_invariant(shard, axis, tiled=True)
+        out = all_gather_invariant(shard, axis, tiled=True)
         return (out, jnp.zeros_like(shard)) if return_local_error else out
     idx = jax.lax.axis_index(axis)
     mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
@@ -264,7 +228,7 @@ def all_gather_rows(
     if leaf_scale is not None:
         parts.append(_to_bytes(leaf_scale))
     wire = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    gathered = _all_gather_invariant(wire, axis)  # [P, chunk]
+    gathered = all_gather_invariant(wire, axis)  # [P, chunk]
 
     off = rs * codec.row_bytes
     g_payload = gathered[:, :off].reshape(P * rs, codec.row_bytes)
@@ -475,7 +439,7 @@ def init_residuals(tree, spec: AllReduceSpec):
     P = spec.num_shards()
 
     def zeros(shape):
-        return _as_varying(jnp.zeros(shape, jnp.float32), spec.axis_name)
+        return as_varying(jnp.zeros(shape, jnp.float32), spec.axis_name)
 
     local = jax.tree_util.tree_map(lambda x: zeros((1, *jnp.shape(x))), tree)
     shard = tuple(zeros((1, b.rows // P, b.codec.row_size)) for b in buckets)

@@ -56,7 +56,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gift_jax.batching import map_matrices
+from gift_jax.utils.linalg import map_matrices
 
 __all__ = [
     "BlockDiagFactor",

@@ -9,14 +9,14 @@ Pipeline (everything on one device, fp32):
 2. **Per-replica gradients** (:func:`make_replica_fn`): a global batch is split into R local
    batches — R simulated data-parallel replicas.  For each, the local kernel gradient ``G_r``
    of every selected ``nnx.Linear``, its local input second moment ``A_r = E[x xᵀ]``
-   (:func:`gift_jax.capture.with_input_stats`) and, for the two-sided K-FAC row, the local
+   (:func:`gift_jax.whitening.capture.with_input_stats`) and, for the two-sided K-FAC row, the local
    output-gradient second moment ``B_r = E[g gᵀ]`` with ``g = ∂ℓ_t/∂y_t`` the per-token gradient
    of the layer output (captured by adding a zero "probe" to each layer's output and
    differentiating with respect to it).  The factors are built from the replica means
    ``Ā = mean_r A_r`` (what the GIFT stage's ``pmean`` gives), so every replica would hold the
    same factor.
 3. **Simulated quantized all-reduce** over the R replicas (:func:`simulate_allreduce`), with the
-   codec functions of :mod:`gift_jax.codecs` (per-tensor fp8 scales):
+   codec functions of :mod:`gift_jax.comm.codecs` (per-tensor fp8 scales):
 
    * ``accumulate="fp32"`` (the library default): every replica quantizes ``x_r`` with its own
      scale ``amax(x_r)/fmax`` (or a shared one with ``global_scale``), the decoded values are
@@ -28,7 +28,7 @@ Pipeline (everything on one device, fp32):
      ``max_r amax(x_r)/fmax``; the running sum is rounded back to the wire format after every
      hop, ``acc ← Q(acc + Q(x_r))`` (no headroom: a sum beyond ``fmax`` saturates), then
      ``/R`` and the all-gather re-quantization — the same arithmetic as
-     ``gift_jax.collectives._fp8_ring_sum``.
+     ``gift_jax.comm.collectives._fp8_ring_sum``.
    * error feedback (optional): each replica adds its previous local quantization error
      ``x_r − Q(x_r)`` to the next step's input, and the re-quantization error of the mean is
      added back before the next re-quantization (the library's two buffers).  With GIFT the
@@ -38,11 +38,11 @@ Pipeline (everything on one device, fp32):
    ``A`` (Cholesky, the artifact); two-sided full (``A ⊗ B``); diagonal ``A``; block-128 ``A``;
    rank-r ``A`` (top-r eigenpairs + diagonal remainder by default, as the artifact).
    ``G → W·G → all-reduce → W⁻¹·``, compared with the exact fp32 mean of the ``G_r``.
-5. **Metrics** (:mod:`gift_jax.fidelity`): relative L2, cosine, max |error|, the whitened-frame
-   error ``‖W_A(Ĝ − G)‖/‖W_A G‖`` (always in the frame of the full input-side factor of the
-   step's own ``Ā`` — the same yardstick for every row), the Adam-normalised update error
-   (``G/(|G|+ε)``) and the Muon-orthogonalised update error (``polar(G)`` by Muon's 5-step
-   Newton–Schulz).  L2 metrics are pooled over the layers of a group (the error of the
+5. **Metrics** (:mod:`gift_jax.whitening.fidelity`): relative L2, cosine, max |error|, the
+   whitened-frame error ``‖W_A(Ĝ − G)‖/‖W_A G‖`` (always in the frame of the full input-side
+   factor of the step's own ``Ā`` — the same yardstick for every row), the Adam-normalised
+   update error (``G/(|G|+ε)``) and the Muon-orthogonalised update error (``polar(G)`` by
+   Muon's 5-step Newton–Schulz).  L2 metrics are pooled over the layers of a group (the error of the
    concatenated gradient); max |error| is the max over layers; the Muon error is the mean over
    layers.
 
@@ -57,27 +57,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import pathlib
-import runpy
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 
 from gift_jax import whitening as wh
-from gift_jax.batching import map_matrices
-from gift_jax.capture import find_linear_layers, kfac_value_and_grad, with_input_stats
-from gift_jax.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
-from gift_jax.fidelity import adam_normalise, polar
+from gift_jax.comm.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
 from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from gift_jax.utils.linalg import map_matrices
+from gift_jax.utils.tree_paths import flat_paths, matches
+from gift_jax.whitening.capture import find_linear_layers, kfac_value_and_grad, with_input_stats
+from gift_jax.whitening.fidelity import adam_normalise, polar
 
 __all__ = [
-    "CONFIG_DIR",
     "DEFAULT_GROUPS",
     "DEFAULT_METHODS",
     "Method",
@@ -85,7 +84,6 @@ __all__ = [
     "build_factors",
     "capture_replicas",
     "evaluate_method",
-    "load_config",
     "make_replica_fn",
     "markdown_table",
     "roundtrip_experiment",
@@ -93,8 +91,6 @@ __all__ = [
     "staleness_experiment",
     "tensor_quantize",
 ]
-
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 #: Layer groups of the tables: inputs of width d_model, and the MLP down-projection (input d_ff).
 DEFAULT_GROUPS: dict[str, tuple[str, ...]] = {
@@ -109,26 +105,6 @@ DEFAULT_GROUPS: dict[str, tuple[str, ...]] = {
 # ============================================================================================
 # Config, model, training
 # ============================================================================================
-
-
-def load_config(name_or_path: str):
-    """The ``get_config()`` of ``configs/<name>.py`` (or of a path to a config file)."""
-    path = pathlib.Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / f"{name_or_path}.py"
-    if not path.is_file():
-        raise ValueError(f"config {name_or_path!r} not found (looked for {path})")
-    return runpy.run_path(str(path))["get_config"]()
-
-
-def flat_paths(tree: Any) -> dict[str, Any]:
-    """``{'/'-joined path: leaf}`` of an ``nnx.State`` (Variable ``value`` keys dropped) or dict."""
-    if isinstance(tree, nnx.State):
-        tree = nnx.to_pure_dict(tree)
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = leaf
-    return out
 
 
 class Trainer:
@@ -218,9 +194,10 @@ def make_replica_fn(graphdef, layers: Sequence[str], replicas: int, *,
                     output_stats: bool = False) -> Callable:
     """Jitted ``fn(params, tokens[R·b, T+1]) → ReplicaCapture`` (R simulated replicas).
 
-    Per replica: ``A_r`` from :func:`gift_jax.capture.with_input_stats`; with ``output_stats``
-    both sides from :func:`gift_jax.capture.kfac_value_and_grad` in one backward pass, ``B_r``
-    the per-token ``N·Σ_t δ_t δ_tᵀ`` of the local mean loss over its N = b·T tokens."""
+    Per replica: ``A_r`` from :func:`gift_jax.whitening.capture.with_input_stats`; with
+    ``output_stats`` both sides from :func:`gift_jax.whitening.capture.kfac_value_and_grad` in
+    one backward pass, ``B_r`` the per-token ``N·Σ_t δ_t δ_tᵀ`` of the local mean loss over its
+    N = b·T tokens."""
     layers = tuple(layers)
 
     def local(params, tokens):
@@ -523,9 +500,8 @@ def evaluate_method(
 
 
 def group_paths(capture: ReplicaCapture, patterns: Sequence[str]) -> list[str]:
-    from gift_jax.gift import _matches
 
-    return [p for p in capture.grads if any(_matches(p, pat) for pat in patterns)]
+    return [p for p in capture.grads if matches(p, patterns)]
 
 
 # ============================================================================================
@@ -553,7 +529,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
 
 
 def train_and_capture(
-    config_name: str = "tiny",
+    config: ml_collections.ConfigDict,
     *,
     train_steps: int = 200,
     capture_steps: int = 4,
@@ -569,10 +545,9 @@ def train_and_capture(
     """Train ``train_steps`` steps, then capture ``capture_steps`` consecutive steps of R
     replicas (the optimizer keeps stepping with the exact gradient in between)."""
     if trainer is None:
-        cfg = load_config(config_name)
-        trainer = Trainer(cfg, seed=seed,
+        trainer = Trainer(config, seed=seed,
                           schedule_steps=schedule_steps or max(train_steps + capture_steps,
-                                                               cfg.train.num_steps))
+                                                               config.train.num_steps))
     trainer.advance(train_steps, log_every)
     fn = make_replica_fn(trainer.graphdef, layers, replicas, output_stats=output_stats)
     caps = []

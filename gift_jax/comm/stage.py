@@ -26,15 +26,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from gift_jax.codecs import Codec
-from gift_jax.collectives import (
+from gift_jax.comm.buckets import DEFAULT_BUCKET_ELEMS
+from gift_jax.comm.codecs import Codec
+from gift_jax.comm.collectives import (
     AllReduceSpec,
     AxisName,
     all_reduce_tree,
     init_residuals,
     resolve_codecs,
 )
-from gift_jax.layout import DEFAULT_BUCKET_ELEMS
 
 
 class AllReduceState(NamedTuple):
@@ -43,6 +43,8 @@ class AllReduceState(NamedTuple):
     key: jax.Array | None  # uint32[2] PRNG key for stochastic rounding (replicated), or None
     residuals: Any  # error-feedback buffers (per device, leading axis 1), or None
 
+
+_SPEC_ATTRIBUTE = "allreduce_spec"
 
 def allreduce(
     axis_name: AxisName | None,
@@ -67,7 +69,7 @@ def allreduce(
       axis_name: mesh axis (or tuple of axes) of data parallelism; ``None`` = single device
         (the stage is then the identity).
       codec: ``"fp32"`` (a plain ``psum``), ``"bf16"``, ``"fp8_e4m3"`` (float8_e4m3fn),
-        ``"fp8_e5m2"``, ``"mxfp8"`` or ``"nvfp4"``; see :mod:`gift_jax.codecs`.
+        ``"fp8_e5m2"``, ``"mxfp8"`` or ``"nvfp4"``; see :mod:`gift_jax.comm.codecs`.
       block_size: per-block fp32 scales of this many elements for the fp8 codecs (``None`` =
         one scale per tensor).
       mean: average over replicas (the data-parallel gradient) instead of summing.
@@ -117,16 +119,8 @@ def allreduce(
         reduced, residuals = all_reduce_tree(updates, spec, key=sub, residuals=state.residuals)
         return reduced, AllReduceState(key, residuals)
 
-    # lets stages that wrap this one (GIFT) find the data-parallel axis
-    update_fn.allreduce_spec = spec
+    setattr(update_fn, _SPEC_ATTRIBUTE, spec)  # read through allreduce_spec(stage)
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def leaf_path(path: Any) -> str:
-    """A parameter's path as stages name it: the '/'-joined pytree keys, with a trailing Flax
-    ``Variable`` 'value' key dropped (e.g. ``layers/3/mlp/down_proj/kernel``)."""
-    s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-    return s[: -len("/value")] if s.endswith("/value") else s
 
 
 def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
@@ -152,10 +146,21 @@ def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) ->
     return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
 
 
+def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
+    """The :class:`~gift_jax.comm.collectives.AllReduceSpec` of an :func:`allreduce` stage (its
+    axes, codec and bucket plan, ``spec.plan(tree)``), or ``None`` for any other transformation.
+
+    The protocol by which stages that wrap the all-reduce (GIFT) learn what it does: the stage
+    carries its static spec, and this accessor is the one place that reads it.
+    """
+    spec = getattr(stage.update, _SPEC_ATTRIBUTE, None)
+    return spec if isinstance(spec, AllReduceSpec) else None
+
+
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
     """The axis (or tuple of axes, hierarchical included) an :func:`allreduce` stage reduces
     over, or ``None`` for any other transformation."""
-    spec = getattr(stage.update, "allreduce_spec", None)
+    spec = allreduce_spec(stage)
     if spec is None or spec.axis_name is None:
         return None
     if spec.intra_axis is None:

@@ -37,8 +37,10 @@ import optax
 from flax import nnx
 
 from gift_jax.lowrank import mask_excluding, plumage, refresh_due
-from gift_jax.lowrank.layout import resolve_layouts
+from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import Llama, LlamaConfig, next_token_loss, param_shapes
+from gift_jax.training.config import load_config
+from gift_jax.utils.tree_paths import leaf_path
 
 __all__ = [
     "METHODS",
@@ -141,10 +143,6 @@ def dense_mask() -> Callable[[Any], Any]:
     return mask_excluding(*DENSE_SUBSTRINGS)
 
 
-def _path(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
     """Which leaves a rank-``rank`` low-rank method projects, and how.
 
@@ -160,7 +158,7 @@ def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
     masks = jax.tree.structure(params).flatten_up_to(mask_tree)
     rows = []
     for (path, x), lay, mk in zip(flat, lays, masks, strict=True):
-        row = {"path": _path(path), "shape": tuple(x.shape), "projected": lay is not None}
+        row = {"path": leaf_path(path), "shape": tuple(x.shape), "projected": lay is not None}
         if lay is not None:
             row.update(side=lay.side, m=lay.m, n=lay.n, rank=lay.rank)
         elif len(x.shape) < 2:
@@ -217,7 +215,7 @@ def optax_galore(rank: int, refresh_every: int, scale: float, lr: float = 1.0, b
 
     def dims(params):
         def f(path, x):
-            name = _path(path).lower()
+            name = leaf_path(path).lower()
             dense = x.ndim != 2 or any(d in name for d in DENSE_SUBSTRINGS)
             return None if dense else optax.contrib.GaLoreDimensionNumbers(0, 1)
 
@@ -496,12 +494,6 @@ def state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
     return _bytes(jax.eval_shape(tx.init, params))
 
 
-def _load_config(path: str):
-    import runpy
-
-    return runpy.run_path(path)["get_config"]()
-
-
 def state_memory_table(config_paths: Sequence[str]) -> list[dict]:
     """Optimizer-state bytes of Adam, ours (GaLore/PLUMAGE/FLORA) and optax.contrib.galore.
 
@@ -510,7 +502,7 @@ def state_memory_table(config_paths: Sequence[str]) -> list[dict]:
     """
     rows = []
     for path in config_paths:
-        cfg = _load_config(path)
+        cfg = load_config(path)
         mc = LlamaConfig.from_mapping(dict(cfg.model))
         shapes = param_shapes(mc)
         rank, tau = cfg.plumage.rank, cfg.plumage.refresh_every

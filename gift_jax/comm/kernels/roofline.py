@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gift_jax.codecs import Codec, payload_planes, row_parts
-from gift_jax.kernels.backend import export_kernel
-from gift_jax.layout import DEFAULT_BUCKET_ELEMS, plan_buckets
+from gift_jax.comm.buckets import DEFAULT_BUCKET_ELEMS, plan_buckets
+from gift_jax.comm.codecs import Codec, payload_planes, row_parts
+from gift_jax.comm.kernels.backend import export_kernel
 
 S = jax.ShapeDtypeStruct
 

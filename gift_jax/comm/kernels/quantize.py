@@ -7,13 +7,14 @@
   produces the same bits; reference :func:`dequantize_accumulate_reference`.
 
 The kernel bodies call the same pure element functions as the references
-(:func:`gift_jax.codecs.encode_row_parts` / :func:`~gift_jax.codecs.decode_row_parts`) on the
-column slices they load, so a kernel and its reference can only differ through lowering, which
-the tests check bit for bit (on CPU with ``platform="interpret"``).
+(:func:`gift_jax.comm.codecs.encode_row_parts` /
+:func:`~gift_jax.comm.codecs.decode_row_parts`) on the column slices they load, so a kernel and
+its reference can only differ through lowering, which the tests check bit for bit (on CPU
+with ``platform="interpret"``).
 
 Each kernel is one pass: every input byte is loaded once and every output byte stored once
-(``gift_jax.kernels.roofline`` counts the loads and stores in the lowered IR). The wire layout
-(:mod:`gift_jax.codecs`, "wire layout of a row") packs bytes without lane reshapes, so the
+(``gift_jax.comm.kernels.roofline`` counts the loads and stores in the lowered IR). The wire layout
+(:mod:`gift_jax.comm.codecs`, "wire layout of a row") packs bytes without lane reshapes, so the
 bodies are plain loads, element-wise math, row reductions and stores, which lower through
 
 * ``platform="gpu"``: Pallas' Triton lowering, chosen explicitly with
@@ -22,7 +23,7 @@ bodies are plain loads, element-wise math, row reductions and stores, which lowe
 * ``platform="tpu"``: Mosaic TPU, with a ``parallel`` grid;
 * ``platform="interpret"``: the Pallas interpreter (CPU; tests).
 
-Which backend a collective uses is decided in :mod:`gift_jax.kernels.backend`.
+Which backend a collective uses is decided in :mod:`gift_jax.comm.kernels.backend`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gift_jax.codecs import (
+from gift_jax.comm.codecs import (
     Codec,
     decode_row_parts,
     decode_rows,

@@ -12,12 +12,12 @@ output side. Internally every matrix is *oriented* so the projected side comes f
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
+
+from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView, is_dimension_numbers
 
 __all__ = [
     "LowRankDimensionNumbers",
@@ -27,53 +27,51 @@ __all__ = [
 ]
 
 
-class LowRankDimensionNumbers(NamedTuple):
-    """Axes that form the matrix of a parameter (same convention as optax's Muon/GaLore).
-
-    Attributes:
-      reduction_axis: input axis or axes (the first axis of a Flax kernel).
-      output_axis: output axis or axes. Remaining axes are batch axes, each slice projected
-        independently (e.g. ``(layers, d_in, d_out)`` stacked weights).
-
-    Example: an attention kernel ``(embed, heads, head_dim)`` is
-    ``LowRankDimensionNumbers(reduction_axis=0, output_axis=(1, 2))``; the output projection
-    ``(heads, head_dim, embed)`` is ``LowRankDimensionNumbers((0, 1), 2)``.
-    """
-
-    reduction_axis: Sequence[int] | int = 0
-    output_axis: Sequence[int] | int = 1
-
-
-def _is_dim_nums(x: Any) -> bool:
-    # Accept optax.contrib.MuonDimensionNumbers / GaLoreDimensionNumbers too.
-    return isinstance(x, tuple) and hasattr(x, "reduction_axis") and hasattr(x, "output_axis")
-
-
-def _axes(a: Sequence[int] | int, ndim: int) -> tuple[int, ...]:
-    a = (a,) if isinstance(a, int) else tuple(a)
-    return tuple(int(x) % ndim for x in a)
+#: Axes that form the matrix of a parameter: ``reduction_axis`` (input axes, the first axis of a
+#: Flax kernel) and ``output_axis``; the rest are batch axes, each slice projected independently.
+#: The matrix view shared with GIFT (:mod:`gift_jax.utils.matrices`, optax's Muon/GaLore
+#: convention; optax's own records are accepted too).
+LowRankDimensionNumbers = MatrixDimensionNumbers
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
     """Static description of one projected leaf (hashable; computed from shapes only).
 
-    ``perm`` transposes the leaf to ``batch + projected + other`` axes; the leaf is then
-    reshaped to ``(batch, M, N)`` with ``M`` the projected (larger) side. ``side`` says which
-    side that is: ``"reduction"`` (the input axis of a Flax kernel; the projected gradient
-    ``(batch, k, N)`` then has the output side last) or ``"output"`` (then ``N`` is the input
-    side) — what a stage acting on the communicated coordinates (e.g. GIFT whitening of the
-    input side) needs to know.
+    The leaf is viewed (``view``) as ``(batch, M, N)`` with ``M`` the projected (larger) side.
+    ``side`` says which side that is: ``"reduction"`` (the input axis of a Flax kernel; the
+    projected gradient ``(batch, k, N)`` then has the output side last) or ``"output"`` (then
+    ``N`` is the input side) — what a stage acting on the communicated coordinates (e.g. GIFT
+    whitening of the input side) needs to know.
     """
 
-    shape: tuple[int, ...]
-    perm: tuple[int, ...]
-    batch: int
-    m: int  # projected side (M >= N)
-    n: int
+    view: MatrixView
     rank: int
     side: str  # "reduction" or "output": which side of the matrix M is
-    batched: bool  # whether the leaf has batch axes (e.g. stacked layers)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.view.shape
+
+    @property
+    def batch(self) -> int:
+        return self.view.batch
+
+    @property
+    def batched(self) -> bool:
+        """Whether the leaf has batch axes (e.g. stacked layers)."""
+        return bool(self.view.batch_axes)
+
+    @property
+    def m(self) -> int:
+        """The projected side (``M >= N``)."""
+        v = self.view
+        return v.n_reduction if self.side == "reduction" else v.n_output
+
+    @property
+    def n(self) -> int:
+        v = self.view
+        return v.n_output if self.side == "reduction" else v.n_reduction
 
     @property
     def moment_shape(self) -> tuple[int, int, int]:
@@ -91,35 +89,20 @@ class LeafLayout:
 
     def to_matrix(self, x: jax.Array) -> jax.Array:
         """Leaf → oriented ``(batch, M, N)``."""
-        return jnp.transpose(x, self.perm).reshape(self.batch, self.m, self.n)
+        return self.view.to_matrix(x, reduction_first=self.side == "reduction")
 
     def from_matrix(self, y: jax.Array) -> jax.Array:
         """Oriented ``(batch, M, N)`` → leaf shape."""
-        permuted = tuple(self.shape[a] for a in self.perm)
-        inv = tuple(sorted(range(len(self.perm)), key=lambda i: self.perm[i]))
-        return jnp.transpose(y.reshape(permuted), inv)
+        return self.view.from_matrix(y, reduction_first=self.side == "reduction")
 
 
 def _make_layout(shape: tuple[int, ...], dn: Any, rank: int, path: str) -> LeafLayout | None:
-    ndim = len(shape)
-    red, out = _axes(dn.reduction_axis, ndim), _axes(dn.output_axis, ndim)
-    if not red or not out or set(red) & set(out) or len(set(red)) != len(red) or len(
-        set(out)
-    ) != len(out):
-        raise ValueError(
-            f"weight_dimension_numbers for {path} (shape {shape}): reduction axes {red} and "
-            f"output axes {out} must be non-empty, distinct and disjoint"
-        )
-    batch_axes = tuple(a for a in range(ndim) if a not in red and a not in out)
-    size = lambda axes: math.prod(shape[a] for a in axes)
-    m_red, n_out = size(red), size(out)
-    if m_red >= n_out:  # GaLore convention: project the larger side → smaller state
-        perm, m, n, side = batch_axes + red + out, m_red, n_out, "reduction"
-    else:
-        perm, m, n, side = batch_axes + out + red, n_out, m_red, "output"
-    if rank >= n:
+    view = MatrixView.of(shape, dn, f"weight_dimension_numbers for {path}")
+    # GaLore convention: project the larger side, for the smaller optimizer state
+    side = "reduction" if view.n_reduction >= view.n_output else "output"
+    if rank >= min(view.n_reduction, view.n_output):
         return None  # a rank-n projection is exact: keep the leaf dense
-    return LeafLayout(shape, perm, size(batch_axes), m, n, rank, side, bool(batch_axes))
+    return LeafLayout(view, rank, side)
 
 
 def resolve_layouts(
@@ -158,13 +141,13 @@ def resolve_layouts(
             raise ValueError(f"{name} must have the structure of params ({n} leaves), got {tree}")
         return flat
 
-    if _is_dim_nums(weight_dimension_numbers):
+    if is_dimension_numbers(weight_dimension_numbers):
         dns = [weight_dimension_numbers if len(x.shape) >= 2 else None for _, x in leaves]
     else:
         dns = per_leaf(
             weight_dimension_numbers,
             "weight_dimension_numbers",
-            is_leaf=lambda x: x is None or _is_dim_nums(x),
+            is_leaf=lambda x: x is None or is_dimension_numbers(x),
         )
     masks = per_leaf(mask, "mask")
     ranks = [rank] * n if isinstance(rank, int) else per_leaf(rank, "rank")

@@ -13,7 +13,7 @@ statistics work at all.
 Recipe::
 
     loss_fn = lambda model, batch: ...                     # your NNX loss, unchanged
-    refresh_loss = gift_jax.capture.with_input_stats(loss_fn, ["*/mlp/down_proj"])
+    refresh_loss = gift_jax.whitening.capture.with_input_stats(loss_fn, ["*/mlp/down_proj"])
 
     # ordinary step: no statistics work at all
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
@@ -41,7 +41,7 @@ for a sequence model the examples are the tokens.  B needs the backward pass, so
 read off the forward pass like A; :func:`kfac_value_and_grad` computes the loss, the parameter
 gradients and both statistics in one forward + backward pass::
 
-    refresh = gift_jax.capture.kfac_value_and_grad(loss_fn, ["*/mlp/down_proj"])
+    refresh = gift_jax.whitening.capture.kfac_value_and_grad(loss_fn, ["*/mlp/down_proj"])
     (loss, (a_stats, b_stats)), grads = refresh(model, batch)    # refresh steps only
     updates, opt_state = tx.update(grads, opt_state, params, gift_stats=a_stats,
                                    gift_output_stats=b_stats)
@@ -91,7 +91,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gift_jax.gift import _matches
+from gift_jax.utils.tree_paths import join_path, matches
 
 __all__ = [
     "GiftInputCount",
@@ -163,10 +163,6 @@ def _capturing_class(cls: type) -> type:
     return type(f"GiftCapturing{cls.__name__}", (cls,), {"__call__": __call__})
 
 
-def _module_path(path: Sequence[Any]) -> str:
-    return "/".join(str(p) for p in path)
-
-
 def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nnx.Linear]:
     """``{kernel path: module}`` for the ``nnx.Linear`` modules selected by ``layers``.
 
@@ -178,9 +174,9 @@ def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nn
     found: dict[str, nnx.Linear] = {}
     hits = {pat: 0 for pat in layers}
     for path, module in nnx.iter_modules(model):
-        mp = _module_path(path)
+        mp = join_path(path)
         kernel_path = f"{mp}/kernel" if mp else "kernel"
-        chosen = [p for p in layers if _matches(mp, p) or _matches(kernel_path, p)]
+        chosen = [p for p in layers if matches(mp, p) or matches(kernel_path, p)]
         if not chosen:
             continue
         if not isinstance(module, nnx.Linear):

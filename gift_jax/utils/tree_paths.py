@@ -1,0 +1,57 @@
+"""Parameter paths and layer selection: the one pattern language of the package.
+
+A leaf's path is its pytree keys joined by ``/`` (``layers/3/mlp/down_proj/kernel``), with a
+trailing Flax ``Variable`` ``value`` key dropped, so a ``nnx.State``, its pure dict and an
+optax update tree name a parameter alike. Layers are selected with ``fnmatch`` patterns
+(``*`` also matches ``/``), given for the leaf or for its module: ``*/mlp/down_proj`` selects
+``layers/0/mlp/down_proj/kernel``. A pattern that selects nothing is an error of the setting
+that holds it (:func:`unmatched` finds them; callers name the setting).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["flat_paths", "join_path", "leaf_path", "matches", "path_mask", "unmatched"]
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """The '/'-joined path of a pytree key path (``jax.tree_util`` key entries)."""
+    s = jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+    return s[: -len("/value")] if s.endswith("/value") else s
+
+
+def join_path(parts: Iterable[Any]) -> str:
+    """The '/'-joined path of plain keys (e.g. the paths of ``nnx.iter_modules``)."""
+    return "/".join(str(p) for p in parts)
+
+
+def matches(path: str, patterns: str | Sequence[str]) -> bool:
+    """Whether ``path`` matches a pattern, given for the leaf or for its module."""
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(path, p + "/kernel")
+               for p in patterns)
+
+
+def unmatched(patterns: Sequence[str], paths: Iterable[str]) -> list[str]:
+    """The patterns that select none of ``paths``."""
+    paths = list(paths)
+    return [p for p in patterns if not any(matches(path, p) for path in paths)]
+
+
+def flat_paths(tree: Any) -> dict[str, Any]:
+    """``{path: leaf}`` of a pytree (an ``nnx.State`` is read as its pure dict)."""
+    to_pure = getattr(tree, "to_pure_dict", None)
+    if callable(to_pure):
+        tree = to_pure()
+    return {leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def path_mask(tree: Any, patterns: Sequence[str]) -> Any:
+    """Tree of bools: True where the leaf's path matches one of ``patterns``."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: matches(leaf_path(p), patterns), tree)
