@@ -24,13 +24,8 @@ from gift_jax.training.config import (
 )
 from gift_jax.training.loop import TrainResult, data_batches, train
 from gift_jax.training.mesh import data_axes, initialize_distributed, make_mesh
-from gift_jax.training.method import CommPlan, comm_plan
-from gift_jax.training.optim import (
-    Optimizer,
-    build_optimizer,
-    learning_rate_schedule,
-    skip_nonfinite,
-)
+from gift_jax.training.method import CommPlan, Optimizer, build_optimizer, comm_plan
+from gift_jax.training.optim import learning_rate_schedule, skip_nonfinite
 from gift_jax.training.program import Program, program_for
 from gift_jax.training.step import TrainStep, eval_step_fn, train_step_fn
 

@@ -28,10 +28,11 @@ from typing import Any
 import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES
-from gift_jax.training.method import METHODS
 
 #: ``comm.codec`` values (the all-reduce's wire format).
 CODECS = CODEC_NAMES
+#: ``comm.method`` values (what is done around the all-reduce: :mod:`gift_jax.training.method`).
+METHODS = ("none", "gift", "plumage")
 #: The former ``comm.mode`` values → ``(comm.codec, comm.method)``; ``None`` keeps the
 #: config's ``comm.codec`` (which those modes required to be a low-precision codec).
 LEGACY_COMM_MODES: dict[str, tuple[str | None, str]] = {

@@ -27,8 +27,9 @@ import jax
 import ml_collections
 import optax
 
-#: Values of ``comm.method``.
-METHODS = ("none", "gift", "plumage")
+from gift_jax.training import optim
+from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError
+from gift_jax.training.optim import GradNormState, learning_rate_schedule, skip_nonfinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +108,12 @@ class CommPlan:
                                                  optax.GradientTransformation]:
         """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
         skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic)."""
-        from gift_jax.training import optim
 
         stage = optim.allreduce_stage(config, axes, self.codec)
         return self._dense_chain(config, stage, schedule), stage
 
     @staticmethod
     def _dense_chain(config, stage, schedule) -> optax.GradientTransformation:
-        from gift_jax.training import optim
 
         return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config),
                            optim.dense_optimizer(config, schedule))
@@ -147,8 +146,6 @@ class GiftPlan(CommPlan):
         return approx, factors or None
 
     def build(self, config, axes, schedule):
-        from gift_jax.training import optim
-        from gift_jax.training.config import GIFT_REMAINDERS
         from gift_jax.whitening.stage import gift
 
         g = config.gift
@@ -197,7 +194,6 @@ class PlumagePlan(CommPlan):
 
     def build(self, config, axes, schedule):
         from gift_jax.lowrank import plumage
-        from gift_jax.training import optim
 
         pl, opt = config.plumage, config.optimizer
         stage = optim.allreduce_stage(config, axes, self.codec)
@@ -230,8 +226,6 @@ class PlumagePlan(CommPlan):
 
 
 def _grad_norm_states(tree: Any) -> list[Any]:
-    from gift_jax.training.optim import GradNormState
-
     return [s for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, GradNormState))
             if isinstance(s, GradNormState)]
 
@@ -247,6 +241,41 @@ def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:
         return PlumagePlan(comm.codec, config.plumage.refresh_every, layers)
     if method == "none":
         return CommPlan(comm.codec)
-    from gift_jax.training.config import ConfigError
-
     raise ConfigError(f"comm.method={method!r} is not supported; allowed: {', '.join(METHODS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """The run's optax chain and what the trainer needs to drive it.
+
+    Attributes:
+      tx: the full chain (update inside ``shard_map`` on per-device gradients).
+      schedule: learning rate per step (for logging).
+      plan: the :class:`CommPlan` of ``comm.codec`` +
+        ``comm.method``: refresh schedule, captured statistics, extra update arguments.
+      stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
+        all-reduce, applied to full gradients).
+    """
+
+    tx: optax.GradientTransformationExtraArgs
+    schedule: optax.Schedule
+    plan: CommPlan
+    stage: optax.GradientTransformation
+
+    @property
+    def refresh_every(self) -> int | None:
+        """Period of the refresh variant (GIFT/PLUMAGE), else ``None``."""
+        return self.plan.refresh_every
+
+
+def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
+    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
+    :meth:`CommPlan.build` of the config's plan,
+    wrapped in :func:`~gift_jax.training.optim.skip_nonfinite`.
+
+    ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
+    """
+    plan = comm_plan(config)
+    schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
+    chain, stage = plan.build(config, axes, schedule)
+    return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

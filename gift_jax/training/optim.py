@@ -28,7 +28,6 @@ parameters and the whole optimizer state (moments, error-feedback buffers, keys)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, NamedTuple
 
@@ -41,7 +40,6 @@ from optax.contrib import MuonDimensionNumbers
 import gift_jax
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
-from gift_jax.training.method import CommPlan, comm_plan
 from gift_jax.utils.tree_paths import leaf_path, matches, path_mask
 
 log = logging.getLogger("gift_jax.training")
@@ -125,30 +123,6 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 # ---- the chain ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Optimizer:
-    """The run's optax chain and what the trainer needs to drive it.
-
-    Attributes:
-      tx: the full chain (update inside ``shard_map`` on per-device gradients).
-      schedule: learning rate per step (for logging).
-      plan: the :class:`~gift_jax.training.method.CommPlan` of ``comm.codec`` +
-        ``comm.method``: refresh schedule, captured statistics, extra update arguments.
-      stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
-        all-reduce, applied to full gradients).
-    """
-
-    tx: optax.GradientTransformationExtraArgs
-    schedule: optax.Schedule
-    plan: CommPlan
-    stage: optax.GradientTransformation
-
-    @property
-    def refresh_every(self) -> int | None:
-        """Period of the refresh variant (GIFT/PLUMAGE), else ``None``."""
-        return self.plan.refresh_every
-
-
 def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
                     codec: str) -> optax.GradientTransformation:
     """The quantized all-reduce over the data axes with the config's codec settings."""
@@ -224,7 +198,6 @@ def projected_gift(config, stage, axes) -> optax.GradientTransformation:
         stage,
         layers=tuple(g.layers),
         rank=g.rank,
-        refresh_every=config.plumage.refresh_every,
         factor=GIFT_REMAINDERS[g.remainder],
         damping=g.damping,
         ema=g.ema,
@@ -266,16 +239,3 @@ def _warn_if_nothing_projected(params, mask_tree, rank: int, layers) -> None:
     log.warning(
         "comm.method='plumage' projects NO parameter: %s; every leaf stays dense, so this run is "
         "plain Adam with full-size gradient communication", detail)
-
-
-def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
-    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
-    :meth:`CommPlan.build <gift_jax.training.method.CommPlan.build>` of the config's plan,
-    wrapped in :func:`skip_nonfinite`.
-
-    ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
-    """
-    plan = comm_plan(config)
-    schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
-    chain, stage = plan.build(config, axes, schedule)
-    return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from gift_jax.models import LlamaConfig
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
 from gift_jax.training.mesh import data_axes
-from gift_jax.training.optim import Optimizer, build_optimizer
+from gift_jax.training.method import Optimizer, build_optimizer
 from gift_jax.training.step import (
     TrainStep,
     eval_step_fn,

@@ -38,7 +38,8 @@ from jax.sharding import PartitionSpec as P
 import gift_jax
 from gift_jax.models import Llama, LlamaConfig, next_token_loss
 from gift_jax.training.mesh import data_axes
-from gift_jax.training.optim import Optimizer, SkipState
+from gift_jax.training.method import Optimizer
+from gift_jax.training.optim import SkipState
 
 Params = Any
 OptState = Any
