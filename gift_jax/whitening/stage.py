@@ -73,7 +73,7 @@ from gift_jax import whitening as wh
 from gift_jax.comm.stage import AllReduceState, allreduce_axis, allreduce_spec
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
-from gift_jax.utils.tree_paths import leaf_path, matches
+from gift_jax.utils.tree_paths import leaf_path, matches, unmatched
 
 __all__ = [
     "GiftDimensionNumbers",
@@ -151,28 +151,21 @@ def select_layers(
     dimension_numbers = dict(dimension_numbers or {})
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [(leaf_path(p), x) for p, x in flat]
-    hits = {pat: 0 for pat in layers}
-    dim_hits = {pat: 0 for pat in dimension_numbers}
     out: dict[str, MatrixView] = {}
     for path, x in paths:
-        chosen = [pat for pat in layers if matches(path, pat)]
-        if not chosen:
+        if not matches(path, layers):
             continue
-        for pat in chosen:
-            hits[pat] += 1
         dims_for = [pat for pat in dimension_numbers if matches(path, pat)]
-        for pat in dims_for:
-            dim_hits[pat] += 1
         dims = dimension_numbers[dims_for[0]] if dims_for else None
         out[path] = _layout(path, tuple(jnp.shape(x)), dims)
-    missing = [pat for pat, c in hits.items() if c == 0]
+    missing = unmatched(layers, (p for p, _ in paths))
     if missing:
         sample = ", ".join(p for p, _ in paths[:8])
         raise ValueError(
             f"gift: layers pattern(s) {missing} match no parameter path (paths look like: "
             f"{sample}{', ...' if len(paths) > 8 else ''})"
         )
-    unused = [pat for pat, c in dim_hits.items() if c == 0]
+    unused = unmatched(list(dimension_numbers), out)
     if unused:
         raise ValueError(f"gift: dimension_numbers pattern(s) {unused} match no selected layer")
     return out

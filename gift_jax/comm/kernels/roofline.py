@@ -27,7 +27,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gift_jax.comm.buckets import DEFAULT_BUCKET_ELEMS, plan_buckets
 from gift_jax.comm.codecs import Codec, payload_planes, row_parts
@@ -119,10 +118,6 @@ def model_leaf_shapes(model_config) -> list[tuple[int, ...]]:
 
     return [tuple(s.shape) for s in jax.tree.leaves(param_shapes(model_config))]
 
-
-def elements(args) -> int:
-    """Elements of the ``[rows, B]`` buffer a kernel call works on."""
-    return int(np.prod(args[0].shape[-2:])) if args[0].ndim == 3 else int(np.prod(args[0].shape))
 
 
 def roofline_rows(codecs, num_chunks: int = 8, rows: int = 4096,
