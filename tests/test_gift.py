@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.stage import allreduce
+from gift_jax.utils.tree_paths import leaf_path
 from gift_jax.whitening.stage import (
     GiftDimensionNumbers,
     gift,
-    leaf_path,
     refresh_due,
     select_layers,
 )

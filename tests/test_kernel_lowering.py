@@ -18,7 +18,7 @@ from gift_jax.comm import codecs as C
 from gift_jax.comm.kernels import backend as kb
 from gift_jax.comm.kernels import quantize as qk
 from gift_jax.comm.kernels import roofline as R
-from gift_jax.models import LlamaConfig
+from gift_jax.models import LlamaConfig, param_shapes
 
 CODECS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 128),
           ("mxfp8", None), ("nvfp4", None)]
@@ -28,7 +28,8 @@ CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 @pytest.fixture(scope="module")
 def shapes_600m():
     cfg = runpy.run_path(str(CONFIGS / "gift_llama_600m.py"))["get_config"]()
-    return R.model_leaf_shapes(LlamaConfig.from_mapping(cfg.model))
+    return [tuple(s.shape) for s in
+            jax.tree.leaves(param_shapes(LlamaConfig.from_mapping(cfg.model)))]
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])

@@ -32,7 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from gift_jax.comm.buckets import DEFAULT_BUCKET_ELEMS, Bucket, plan_buckets
-from gift_jax.comm.codecs import Codec, abs_max, get_codec, leaf_scale_from_amax, roundtrip
+from gift_jax.comm.codecs import (
+    Codec,
+    abs_max,
+    decode_rows,
+    encode_rows,
+    get_codec,
+    leaf_scale_from_amax,
+    roundtrip,
+)
 from gift_jax.comm.kernels import backend as qk
 from gift_jax.utils.axes import AxisName, all_gather_invariant, as_varying, axis_size
 
@@ -186,8 +194,6 @@ def reduce_scatter_rows(
 
 def _fp8_ring_sum(payload, codec: Codec, leaf_rows):
     """Emulated FP8 accumulation: every partial sum is rounded back to the (shared) format."""
-    from gift_jax.comm.codecs import decode_rows, encode_rows
-
     acc = None
     for n in range(payload.shape[0]):
         term = decode_rows(payload[n], None, codec, leaf_rows[n])

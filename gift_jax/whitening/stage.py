@@ -79,7 +79,6 @@ __all__ = [
     "GiftDimensionNumbers",
     "GiftState",
     "gift",
-    "leaf_path",
     "refresh_due",
     "select_layers",
 ]

@@ -112,14 +112,6 @@ def collective_calls(shapes, codec: Codec, num_shards: int,
     return [(key[0], args) for key, args in calls.items()]
 
 
-def model_leaf_shapes(model_config) -> list[tuple[int, ...]]:
-    """Parameter shapes of a :class:`gift_jax.models.LlamaConfig` (no arrays allocated)."""
-    from gift_jax.models import param_shapes
-
-    return [tuple(s.shape) for s in jax.tree.leaves(param_shapes(model_config))]
-
-
-
 def roofline_rows(codecs, num_chunks: int = 8, rows: int = 4096,
                   platforms=("gpu", "tpu")) -> list[dict]:
     """Per codec and kernel: bytes read/written per element at the roofline, and per platform
