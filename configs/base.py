@@ -58,8 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
     train.log_every = 10  # steps between metric logs
     train.eval_every = 100  # steps between evaluations; 0 disables
     train.eval_batches = 4  # batches per evaluation
-    train.checkpoint_every = 0  # steps between checkpoints; 0 disables
+    train.checkpoint_every = 100  # steps between checkpoints (with a workdir); 0 disables
     train.keep_checkpoints = 3  # newest checkpoints kept on disk
+    train.max_consecutive_skips = 20  # stop (checkpoint kept) after this many skips in a row
+    train.skip_warning_fraction = 0.2  # warn when a logged window skips more than this share
     train.grad_accum_steps = 1  # microbatches per optimizer step (one reduction per step)
     train.diagnostics_every = 100  # steps between wire-byte / round-trip fidelity records
     train.workdir = ""  # checkpoints and metrics directory; "" = no output files

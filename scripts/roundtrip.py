@@ -61,7 +61,7 @@ def main(argv=None):
     md = [f"<!-- {command} -->",
           f"Model `{args.config}` after {args.train_steps} AdamW steps (captured steps "
           f"{args.train_steps}..{args.train_steps + args.capture_steps - 1}), R={args.replicas} "
-          f"replicas x {args.local_batch} sequences; last training loss "
+          f"replicas x {args.local_batch} sequences; last logged training loss "
           f"{trainer.losses[-1] if trainer.losses else float('nan'):.3f}.",
           rt.roundtrip_markdown(rows)]
     rt.plot_roundtrip(rows, str(out / "roundtrip.png"), args.codecs.split(",")[0])

@@ -2,7 +2,7 @@
 
     python scripts/train.py --config configs/tiny.py --workdir /tmp/run \
         --config.comm.codec=fp8_e4m3 --config.comm.method=gift --config.train.num_steps=100 \
-        [--resume]
+        [--resume[=auto]] [--stop_after N]
 
 Any config field can be overridden with ``--config.<group>.<field>=<value>``; communication is
 ``comm.codec`` (fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4) + ``comm.method`` (none |
@@ -25,7 +25,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     parser.add_argument("--workdir", default=None, help="checkpoints, metrics, summary")
     parser.add_argument("--data", default=None, help="corpus spec (default: data.source)")
     parser.add_argument("--data_dir", default=None, help="where the corpus lives")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--resume", nargs="?", const="yes", default="no",
+                        choices=("yes", "auto", "no"),
+                        help="continue from the last checkpoint (an error if there is none); "
+                             "--resume=auto: continue if there is one, else start fresh")
+    parser.add_argument("--stop_after", type=int, default=None,
+                        help="stop after N steps of this call (checkpoint written; continue "
+                             "with --resume)")
     parser.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
@@ -47,12 +53,19 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     return args, overrides
 
 
+_RESUME = {"yes": True, "auto": "auto", "no": False}
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    if args.stop_after is not None and args.stop_after < 1:
+        print(f"error: --stop_after={args.stop_after} must be a positive number of steps",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
 
-    from gift_jax.training import initialize_distributed
+    from gift_jax.training import TrainingStalledError, initialize_distributed
     from gift_jax.training.config import (
         ConfigError,
         apply_overrides,
@@ -73,13 +86,17 @@ def main(argv: list[str] | None = None) -> int:
             DataError = ConfigError
 
         try:
-            train(config, args.workdir, resume=args.resume, data=args.data,
-                  data_dir=args.data_dir, show_progress=not args.no_progress)
+            train(config, args.workdir, resume=_RESUME[args.resume], data=args.data,
+                  data_dir=args.data_dir, stop_after=args.stop_after,
+                  show_progress=not args.no_progress)
         except (CheckpointMismatchError, DataError) as e:
             raise ConfigError(str(e)) from e
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStalledError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 130

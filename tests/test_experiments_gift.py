@@ -1,6 +1,8 @@
 """Smoke tests of the GIFT experiment library (scripts/roundtrip.py, profile_layers.py,
 bench_gift.py): tiny shapes, synthetic data, a few seconds each."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,9 +15,11 @@ from gift_jax import quantized_psum
 from gift_jax.apps.experiments import profile as pf
 from gift_jax.apps.experiments import roundtrip as rt
 from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from gift_jax.training.config import load_config
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 R = 8
 
 
@@ -146,3 +150,29 @@ def test_bench_gift_step_and_flops():
     fl = pf.gift_flops(3456, 1280, rank=32, layers=13, model_params=600_000_000)
     assert fl["step_flops"] == 13 * (8 * 3456 * 32 * 1280 + 6 * 3456 * 1280)
     assert fl["step_over_train"] < 1e-3
+
+
+@pytest.mark.slow
+def test_experiments_drive_the_trainers_loop():
+    """The round-trip experiment trains with the library's trainer: its parameters after
+    k steps are bit-identical to ``gift_jax.training.train``'s for the same config."""
+    from gift_jax.training import complete_config, train
+
+    config = complete_config(load_config("tiny", ROOT / "configs"))
+    with config.unlocked():
+        config.model.num_layers, config.model.d_model, config.model.d_ff = 1, 32, 64
+        config.model.num_heads, config.train.seq_len = 2, 16
+        config.train.global_batch_size, config.train.num_steps = 8, 6
+        config.optimizer.warmup_steps = 2
+    trainer, caps = rt.train_and_capture(config, train_steps=3, capture_steps=2, replicas=4,
+                                         local_batch=2, layers=("*/mlp/down_proj",),
+                                         output_stats=False, log_every=0)
+    assert trainer.step == 4 and len(caps) == 2 and len(trainer.losses) == 4
+    assert caps[0].grads["layers/0/mlp/down_proj/kernel"].shape == (4, 64, 32)
+    with config.unlocked():
+        config.train.eval_every = config.train.diagnostics_every = 0
+    reference = train(config, stop_after=4, show_progress=False)
+    ours = jax.tree.leaves(trainer.params)
+    for a, b in zip(ours, jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trainer.close()

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +24,7 @@ from gift_jax.comm.kernels import backend as qk
 from gift_jax.comm.kernels import quantize as kq
 from gift_jax.comm.kernels.roofline import traffic
 from gift_jax.comm.wire import WireReport, wire_bytes
+from gift_jax.utils.timing import interleaved_times
 
 DEFAULT_CODECS = (("fp32", None), ("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
                   ("fp8_e4m3", 128), ("mxfp8", None), ("nvfp4", None))
@@ -68,14 +67,8 @@ def wire_table(shapes: dict, mesh, codecs=DEFAULT_CODECS) -> list[dict]:
 
 
 def best_time(fn, *args, repeats: int) -> float:
-    """Best wall time of ``fn(*args)`` over ``repeats`` calls, after one warm-up call."""
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    best = np.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """Best wall time of ``fn(*args)`` over ``repeats`` blocked calls, after one warm-up."""
+    return min(interleaved_times({"case": lambda: fn(*args)}, repeats)["case"])
 
 
 def quantize_throughput(num_elements: int = 1 << 24, codec: str = "fp8_e4m3",

@@ -12,7 +12,6 @@ training does.  Reported: best and median of the rounds.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,15 +21,23 @@ import numpy as np
 from jax.sharding import Mesh
 
 from gift_jax.training.program import program_for
+from gift_jax.utils.timing import interleaved_times
 
 __all__ = ["step_times"]
 
 
-def _timed(step, params, state, batch, refresh):
-    t0 = time.perf_counter()
-    params, state, metrics = step(params, state, batch, refresh)
-    jax.block_until_ready((params, state, metrics))
-    return time.perf_counter() - t0, params, state
+class _Chained:
+    """A train step variant as a no-argument case: each call feeds the previous call's
+    ``(params, state)`` (the step donates its inputs), shared by the run's two variants."""
+
+    def __init__(self, run: dict[str, Any], refresh: bool):
+        self.run, self.refresh = run, refresh
+
+    def __call__(self):
+        r = self.run
+        r["params"], r["state"], metrics = r["step"](r["params"], r["state"], r["batch"],
+                                                     self.refresh)
+        return r["params"], r["state"], metrics
 
 
 def step_times(
@@ -48,35 +55,27 @@ def step_times(
     configuration has a refresh variant (GIFT, PLUMAGE), ``refresh_best``,
     ``refresh_median`` and ``refresh_every``; ``None`` otherwise.
     """
-    runs = {}
+    cases, rounds, every = {}, {}, {}
     for name, config in configs.items():
         program = program_for(config, mesh, compiler_options)
         params, state = program.init()
         tc = config.train
         tokens = np.random.default_rng(seed).integers(
             0, config.model.vocab_size, (tc.global_batch_size, tc.seq_len + 1), np.int32)
-        batch = jax.device_put(tokens, program.step.batch_sharding)
-        has_refresh = program.optimizer.refresh_every is not None
-        for refresh in ((False, True) if has_refresh else (False,)):  # compile + warm up
-            _, params, state = _timed(program.step, params, state, batch, refresh)
-        runs[name] = dict(step=program.step, params=params, state=state, batch=batch,
-                          refresh=has_refresh, every=program.optimizer.refresh_every,
-                          ordinary=[], refreshes=[])
-    for r in range(max(repeats, refresh_repeats)):
-        for run in runs.values():
-            kinds = ([False] if r < repeats else []) + (
-                [True] if run["refresh"] and r < refresh_repeats else [])
-            for refresh in kinds:
-                dt, run["params"], run["state"] = _timed(
-                    run["step"], run["params"], run["state"], run["batch"], refresh)
-                run["refreshes" if refresh else "ordinary"].append(dt)
+        run = dict(step=program.step, params=params, state=state,
+                   batch=jax.device_put(tokens, program.step.batch_sharding))
+        every[name] = program.optimizer.refresh_every
+        cases[(name, False)], rounds[(name, False)] = _Chained(run, False), repeats
+        if every[name] is not None:
+            cases[(name, True)], rounds[(name, True)] = _Chained(run, True), refresh_repeats
+    times = interleaved_times(cases, rounds)
     rows = []
-    for name, run in runs.items():
-        row = {"config": name, "ordinary_best": min(run["ordinary"]),
-               "ordinary_median": float(np.median(run["ordinary"])),
-               "refresh_best": None, "refresh_median": None, "refresh_every": run["every"]}
-        if run["refreshes"]:
-            row.update(refresh_best=min(run["refreshes"]),
-                       refresh_median=float(np.median(run["refreshes"])))
+    for name in configs:
+        row = {"config": name, "ordinary_best": min(times[(name, False)]),
+               "ordinary_median": float(np.median(times[(name, False)])),
+               "refresh_best": None, "refresh_median": None, "refresh_every": every[name]}
+        if (name, True) in times:
+            row.update(refresh_best=min(times[(name, True)]),
+                       refresh_median=float(np.median(times[(name, True)])))
         rows.append(row)
     return rows

@@ -1,6 +1,7 @@
 """The training system: mesh, shard_map train step, optimizer chain, checkpoints, loop.
 
-* :func:`train` — run (or resume) a whole training run from a config.
+* :func:`train` — run (or resume) a whole training run from a config; :class:`Trainer` —
+  the same run as an object (setup, ``run(steps)``, ``finish()``) that experiments drive.
 * :class:`TrainStep`, :func:`train_step_fn` — the compiled data-parallel step and its variants;
   :func:`program_for` — everything a config compiles (cached per process).
 * :func:`build_optimizer` — the optax chain of a config (communication stage first);
@@ -22,7 +23,13 @@ from gift_jax.training.config import (
     complete_config,
     validate_config,
 )
-from gift_jax.training.loop import TrainResult, data_batches, train
+from gift_jax.training.loop import (
+    Trainer,
+    TrainingStalledError,
+    TrainResult,
+    data_batches,
+    train,
+)
 from gift_jax.training.mesh import data_axes, initialize_distributed, make_mesh
 from gift_jax.training.method import CommPlan, Optimizer, build_optimizer, comm_plan
 from gift_jax.training.optim import learning_rate_schedule, skip_nonfinite
@@ -42,6 +49,8 @@ __all__ = [
     "Program",
     "TrainResult",
     "TrainStep",
+    "Trainer",
+    "TrainingStalledError",
     "apply_overrides",
     "build_optimizer",
     "comm_plan",

@@ -62,6 +62,8 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "grad_accum_steps": 1,  # microbatches per optimizer step (one all-reduce per step)
         "diagnostics_every": 100,  # steps between wire-bytes/fidelity logs; 0 disables
         "keep_checkpoints": 3,  # most recent checkpoints kept on disk
+        "max_consecutive_skips": 20,  # stop after this many skipped steps in a row; 0: never
+        "skip_warning_fraction": 0.2,  # warn when a logged window skips more than this
     },
     "gift": {
         "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
@@ -79,6 +81,8 @@ RUN_CONTROL_FIELDS = frozenset({
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.diagnostics_every",
+    "train.max_consecutive_skips",
+    "train.skip_warning_fraction",
     "train.workdir",
 })
 
@@ -308,9 +312,16 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                  "train.grad_accum_steps", "train.log_every", "mesh.intra_size"):
         _positive_int(config, name)
     for name in ("train.eval_every", "train.eval_batches", "train.checkpoint_every",
-                 "train.diagnostics_every", "optimizer.warmup_steps"):
+                 "train.diagnostics_every", "train.max_consecutive_skips",
+                 "optimizer.warmup_steps"):
         _positive_int(config, name, minimum=0)
     _positive_int(config, "train.keep_checkpoints")
+    fraction = config.train.skip_warning_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, int | float)
+            or not 0 <= fraction < 1):
+        raise ConfigError(
+            f"train.skip_warning_fraction={fraction!r} must be a number in [0, 1) (the share of "
+            "a logged window's steps that may be skipped before a warning)")
     intra = config.mesh.intra_size
     if num_devices % intra:
         raise ConfigError(

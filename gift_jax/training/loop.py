@@ -1,18 +1,19 @@
-"""The training loop: :func:`train`.
+"""The training loop: :class:`Trainer` and :func:`train`.
 
-One call runs (or resumes) a whole run: it validates the config, builds the mesh, the model, the
-optimizer chain and the compiled step variants, restores the latest checkpoint when asked, and
-loops over steps with logging, evaluation, diagnostics and checkpoints.
+One :func:`train` call runs (or resumes) a whole run: a :class:`Trainer` validates the config,
+builds the mesh, the model, the optimizer chain and the compiled step variants, restores the
+latest checkpoint when asked; :meth:`Trainer.run` loops over steps with logging, evaluation,
+diagnostics and checkpoints; :meth:`Trainer.finish` writes the summary. The experiments drive
+the same :class:`Trainer` between their measurements (one loop in the package).
 
-:func:`train` is three phases: :func:`_setup`, :func:`_loop` and :func:`_finish`, sharing a
-:class:`_Run`. Host-side choices per step: the refresh variant, as the run's
+Host-side choices per step: the refresh variant, as the run's
 :class:`~gift_jax.training.method.CommPlan` decides (GIFT every ``gift.refresh_every`` steps,
 PLUMAGE when its state says a refresh is due). Metrics are fetched from the device only at log
 steps (the loop otherwise runs ahead asynchronously). Ctrl-C (SIGINT) is turned into a flag
 checked between steps (agreed on by all processes every ``log_every`` steps): the loop stops,
-writes a checkpoint of the last completed step and then raises ``KeyboardInterrupt``. A fresh
-run refuses a workdir that already holds checkpoints (pass ``resume=True``), so two runs are
-never mixed.
+logs the partial window, writes a checkpoint of the last completed step and then raises
+``KeyboardInterrupt``. A fresh run refuses a workdir that already holds checkpoints (pass
+``resume=True``), so two runs are never mixed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from gift_jax.training.checkpoint import Checkpointer
 from gift_jax.training.config import ConfigError, complete_config, validate_config
 from gift_jax.training.mesh import make_mesh
 from gift_jax.training.metrics import MetricsWriter, Progress
-from gift_jax.training.program import Program, program_for
+from gift_jax.training.program import program_for
+from gift_jax.utils.timing import Stopwatch
 
 log = logging.getLogger("gift_jax.training")
 
@@ -113,10 +115,12 @@ def _global_batch(local: np.ndarray, sharding, global_shape) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
 
-def _window_record(fetched: list[dict[str, Any]], elapsed: float,
+def _window_record(fetched: list[dict[str, Any]], seconds: float,
                    tokens_per_step: int) -> dict[str, Any]:
-    """Mean loss and gradient norm (over non-skipped steps), skips and throughput of a window
-    of per-step metrics."""
+    """Mean loss and gradient norm (over non-skipped steps), skips, throughput (tokens over
+    the seconds spent in train steps) and the number of steps of a window of per-step
+    metrics. ``window`` is below ``log_every`` after a resume, at the end of a call and at an
+    interrupt, so every record says how many steps it averages."""
     norms = [float(m["grad_norm"]) for m in fetched]
     finite = [n for n in norms if np.isfinite(n)]
     return {
@@ -124,15 +128,382 @@ def _window_record(fetched: list[dict[str, Any]], elapsed: float,
         "grad_norm": float(np.mean(finite)) if finite else float("nan"),
         "skipped": int(sum(int(m["skipped"]) for m in fetched)),
         "skipped_total": int(fetched[-1]["skipped_total"]),
-        "tokens_per_s": tokens_per_step * len(fetched) / max(elapsed, 1e-9),
+        "tokens_per_s": tokens_per_step * len(fetched) / max(seconds, 1e-9),
+        "window": len(fetched),
     }
+
+
+class TrainingStalledError(RuntimeError):
+    """``train.max_consecutive_skips`` steps in a row were skipped (non-finite updates); the
+    run stopped with a checkpoint of its last step (the parameters of the last good step)."""
+
+
+def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
+                    resume: bool | str, data: str | None
+                    ) -> tuple[ml_collections.ConfigDict, str | None]:
+    """The completed, validated config (``data`` and the workdir written into it) and the
+    workdir (``None``: no output)."""
+    if resume not in (False, True, "auto"):
+        raise ConfigError(f"resume={resume!r} must be False, True or 'auto'")
+    config = complete_config(config)
+    if data:
+        with config.unlocked():
+            config.data.source = data
+    workdir = workdir if workdir is not None else (config.train.workdir or None)
+    if resume and not workdir:
+        raise ConfigError("resume needs a workdir (--workdir) holding the checkpoints")
+    with config.unlocked():
+        config.train.workdir = workdir or ""
+    validate_config(config, jax.device_count())
+    return config, workdir
+
+
+def _read_summary(workdir: str | None) -> dict[str, Any] | None:
+    path = os.path.join(workdir, "summary.json") if workdir else None
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    return None
+
+
+class Trainer:
+    """One training run in progress: the trainer's loop as an object.
+
+    Construction is the setup (config validation, mesh, the cached compiled
+    :class:`~gift_jax.training.program.Program`, the initial or restored state, the compiled
+    step variants and their wire bytes, the evaluation batches, the metrics writer);
+    :meth:`run` advances the carried ``params``/``opt_state`` by a number of steps with
+    logging, evaluation, diagnostics and checkpoints at their cadences; :meth:`finish` writes
+    the final evaluation, checkpoint and ``summary.json``. :func:`train` is these three calls;
+    the experiments (:mod:`gift_jax.apps.experiments`) drive the same object between their
+    measurements, so there is one training loop in the package.
+
+    Timing: the :class:`~gift_jax.utils.timing.Stopwatch` ``watch`` charges ``train`` only
+    with train steps (each record's ``tokens_per_s`` divides by its steps' share), and keeps
+    ``eval`` (evaluation and diagnostics) and ``checkpoint`` apart.
+
+    Skipped steps (non-finite updates, :func:`~gift_jax.training.optim.skip_nonfinite`) are
+    shown in the progress bar, warned about when a logged window skips more than
+    ``train.skip_warning_fraction`` of its steps, and stop the run
+    (:class:`TrainingStalledError`, checkpoint kept) after ``train.max_consecutive_skips``
+    consecutive skips (detected at log steps).
+    """
+
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: str | None = None,
+        *,
+        resume: bool | str = False,
+        data: str | None = None,
+        data_dir: str | None = None,
+        batches: BatchFn | None = None,
+        eval_split: str | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        show_progress: bool = False,
+    ):
+        config, workdir = _resolve_config(config, workdir, resume=resume, data=data)
+        self.config, self.workdir = config, workdir
+        tc = config.train
+        model_config = LlamaConfig.from_mapping(config.model)
+        splits: tuple[str, ...] = ("train", "validation")
+        if batches is None:
+            batches, vocab, splits = data_batches(config.data.source, data_dir)
+            if vocab > model_config.vocab_size:
+                raise ConfigError(
+                    f"model.vocab_size={model_config.vocab_size} is smaller than the vocabulary "
+                    f"of data {config.data.source!r} ({vocab})")
+        if eval_split is None:
+            eval_split = next((s for s in ("validation", "test") if s in splits), None)
+        self.batches = batches
+
+        mesh = make_mesh(config.mesh.intra_size)
+        self.checkpointer = (Checkpointer(workdir, config, keep=tc.keep_checkpoints)
+                             if workdir else None)
+        latest = self.checkpointer.latest_step() if self.checkpointer else None
+        if latest is not None and not resume:
+            self.close()
+            raise ConfigError(
+                f"workdir {workdir!r} already holds checkpoints (latest step {latest}): pass "
+                "--resume to continue that run, or choose a new workdir")
+        if latest is None and resume is True:
+            self.close()
+            raise ConfigError(
+                f"resume=True but workdir {workdir!r} holds no checkpoint: run without --resume "
+                "to start fresh, or pass --resume=auto (resume='auto') to resume when there is "
+                "one and start fresh otherwise")
+        if latest is not None:
+            self.checkpointer.check_config()  # fail fast, before anything is compiled
+        self.program = program = program_for(config, mesh, compiler_options)
+        step_fn = program.step
+        self.params, self.opt_state = program.init()
+        self.step = self.data_position = 0
+        if latest is not None:
+            restored = self.checkpointer.restore({"params": self.params,
+                                                  "opt_state": self.opt_state})
+            self.params, self.opt_state = step_fn.place(restored.state["params"],
+                                                        restored.state["opt_state"])
+            self.step, self.data_position = restored.step, restored.data_position
+            log.info("resumed from step %d", self.step)
+        elif resume == "auto":
+            log.info("no checkpoint in %s: starting a fresh run", workdir)
+        self.start = self.step
+        #: The restored checkpoint is of a run that had already reached ``train.num_steps``.
+        self.already_finished = latest is not None and self.step >= tc.num_steps
+
+        self.watch = Stopwatch()
+        with self.watch.phase("compile"):
+            for variant in step_fn.variants():
+                step_fn.compiled(variant)
+        self.wire = {v: step_fn.wire_report(v).total for v in step_fn.variants()}
+
+        self.evaluate_fn = program.evaluate if (tc.eval_every and eval_split) else None
+        self.eval_data: list[jax.Array] = []
+        if self.evaluate_fn is not None:
+            it = batches(eval_split, tc.global_batch_size, tc.seq_len,
+                         seed=config.data.shuffle_seed, start_step=0,
+                         process_index=jax.process_index(), process_count=jax.process_count())
+            shape = (tc.global_batch_size, tc.seq_len + 1)
+            self.eval_data = [_global_batch(next(it), step_fn.batch_sharding, shape)
+                              for _ in range(tc.eval_batches)]
+        self.diagnose = program.diagnose if tc.diagnostics_every else None
+        self.is_main = jax.process_index() == 0
+        self.writer = MetricsWriter(workdir if not self.already_finished else None,
+                                    enabled=self.is_main, start_step=self.start)
+        self.progress = Progress(self.start, tc.num_steps,
+                                 enabled=self.is_main and show_progress
+                                 and not self.already_finished)
+        self.n_params = count_params(model_config)
+        self.num_devices = jax.device_count()
+        self.history: list[dict[str, Any]] = []
+        self.eval_loss: float | None = None  # last evaluation
+        self.last_loss: float | None = None  # loss of the last logged step
+        self._train_it: Iterator[np.ndarray] | None = None
+        self._consecutive_skips = 0
+
+    # ---- small helpers -------------------------------------------------------------------
+
+    @property
+    def tc(self) -> ml_collections.ConfigDict:
+        return self.config.train
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tc.global_batch_size * self.tc.seq_len
+
+    @property
+    def fp32_wire(self) -> float:
+        """Bytes per device of one fp32 ring all-reduce of the parameters."""
+        n = self.num_devices
+        return 2 * (n - 1) / n * 4 * self.n_params
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Appends a record to the history and writes it (metrics.jsonl, TensorBoard)."""
+        metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+        self.history.append({"step": step, **metrics})
+        self.writer.write(step, metrics)
+
+    def evaluate(self) -> float:
+        """Mean loss over the evaluation batches at the current step, recorded as
+        ``eval/loss`` (timed as ``eval``)."""
+        with self.watch.phase("eval", block=self.params):
+            value = float(np.mean([float(self.evaluate_fn(self.params, b))
+                                   for b in self.eval_data]))
+        self.record(self.step, {"eval/loss": value})
+        self.eval_loss = value
+        return value
+
+    def save(self) -> None:
+        """Checkpoints the carried state at the current step (no-op without a workdir)."""
+        if self.checkpointer is not None:
+            with self.watch.phase("checkpoint"):
+                self.checkpointer.save(
+                    self.step, {"params": self.params, "opt_state": self.opt_state},
+                    data_position=self.data_position, skipped=int(self.opt_state.skipped))
+
+    def _diagnostics(self, batch: jax.Array) -> None:
+        with self.watch.phase("eval", block=self.params):
+            diag = {f"wire/bytes_per_step_{'refresh' if v else 'ordinary'}": b
+                    for v, b in self.wire.items()}
+            diag["wire/fp32_reference"] = self.fp32_wire
+            if self.diagnose is not None:
+                report = jax.device_get(self.diagnose(self.params, self.opt_state, batch))
+                diag.update({f"fidelity/{k}": float(v) for k, v in report.items()})
+        self.record(self.step, diag)
+
+    def _log_window(self, window: list[dict[str, jax.Array]], seconds: float,
+                    refreshes: int) -> None:
+        """One train record of a window of steps; tracks consecutive skips."""
+        fetched = jax.device_get(window)
+        self.last_loss = float(fetched[-1]["loss"])
+        rec = _window_record(fetched, seconds, self.tokens_per_step)
+        rec["learning_rate"] = float(self.program.optimizer.schedule(self.step - 1))
+        rec["refreshes"] = refreshes
+        self.record(self.step, rec)
+        for m in fetched:
+            self._consecutive_skips = self._consecutive_skips + 1 if int(m["skipped"]) else 0
+        postfix = {"loss": f"{rec['loss']:.4f}", "tok_s": f"{rec['tokens_per_s']:.0f}"}
+        if rec["skipped_total"]:
+            postfix["skipped"] = rec["skipped_total"]
+        self.progress.update(len(fetched), **postfix)
+        warn_at = self.tc.skip_warning_fraction
+        if rec["skipped"] and rec["skipped"] > warn_at * len(fetched):
+            msg = (f"steps {self.step - len(fetched) + 1}-{self.step}: {rec['skipped']} of "
+                   f"{len(fetched)} skipped (non-finite updates; {rec['skipped_total']} in "
+                   f"all) - the learning rate (optimizer.learning_rate="
+                   f"{self.config.optimizer.learning_rate}) may be too high")
+            log.warning(msg)
+
+    def _check_stalled(self) -> None:
+        limit = self.tc.max_consecutive_skips
+        if limit and self._consecutive_skips >= limit:
+            self.save()
+            where = (f"; checkpoint of step {self.step} kept in {self.workdir}"
+                     if self.checkpointer else "")
+            raise TrainingStalledError(
+                f"stopped at step {self.step}: the last {self._consecutive_skips} steps were "
+                f"all skipped (non-finite updates; train.max_consecutive_skips={limit}){where}; "
+                f"lower optimizer.learning_rate={self.config.optimizer.learning_rate} or check "
+                "the data")
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self, steps: int | None = None) -> None:
+        """Advances ``steps`` optimizer steps (default: to ``train.num_steps``; never past it).
+
+        Per step: the plan's refresh variant where due; a record every ``log_every`` steps and
+        at the end of the call; evaluation, wire/fidelity diagnostics and checkpoints at their
+        cadences. Metrics are fetched from the device only at log steps.
+
+        Raises:
+          KeyboardInterrupt: on Ctrl-C, after logging the partial window and saving a
+            checkpoint of the last completed step.
+          TrainingStalledError: too many consecutive skipped steps (checkpoint saved).
+        """
+        tc = self.tc
+        end = tc.num_steps if steps is None else min(tc.num_steps, self.step + steps)
+        step_fn = self.program.step
+        if self._train_it is None:
+            self._train_it = self.batches(
+                "train", tc.global_batch_size, tc.seq_len, seed=self.config.data.shuffle_seed,
+                start_step=self.data_position, process_index=jax.process_index(),
+                process_count=jax.process_count())
+        shape = (tc.global_batch_size, tc.seq_len + 1)
+        window: list[dict[str, jax.Array]] = []
+        refreshes, window_s = 0, 0.0
+        clock = time.perf_counter()  # start of the current stretch of train steps
+
+        def stop_clock() -> None:
+            nonlocal window_s
+            if window:
+                jax.block_until_ready(window[-1])
+            elapsed = time.perf_counter() - clock
+            window_s += elapsed
+            self.watch.add("train", elapsed)
+
+        def flush() -> None:
+            nonlocal window, refreshes, window_s
+            stop_clock()
+            self._log_window(window, window_s, refreshes)
+            window, refreshes, window_s = [], 0, 0.0
+
+        with _Interrupt() as interrupt:
+            while self.step < end:
+                if interrupt.stop_now(self.step, tc.log_every):
+                    if window:
+                        flush()
+                    self.save()
+                    raise KeyboardInterrupt(
+                        f"interrupted at step {self.step}; checkpoint saved"
+                        if self.checkpointer else f"interrupted at step {self.step}")
+                batch = _global_batch(next(self._train_it), step_fn.batch_sharding, shape)
+                refresh = step_fn.refresh_due(self.step, self.opt_state)
+                self.params, self.opt_state, metrics = step_fn(self.params, self.opt_state,
+                                                               batch, refresh)
+                window.append(metrics)
+                refreshes += int(refresh)
+                self.step += 1
+                self.data_position += 1
+                step = self.step
+                if step % tc.log_every == 0 or step == end:
+                    flush()
+                    self._check_stalled()
+                due_eval = self.evaluate_fn is not None and step % tc.eval_every == 0
+                due_diag = bool(tc.diagnostics_every) and step % tc.diagnostics_every == 0
+                due_ckpt = (self.checkpointer is not None and bool(tc.checkpoint_every)
+                            and step % tc.checkpoint_every == 0)
+                if due_eval or due_diag or due_ckpt:
+                    if window:
+                        stop_clock()
+                    if due_eval:
+                        self.evaluate()
+                    if due_diag:
+                        self._diagnostics(batch)
+                    if due_ckpt:
+                        self.save()
+                    clock = time.perf_counter()
+                elif not window:
+                    clock = time.perf_counter()  # the record's writing is not a train step
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary (also what ``summary.json`` holds)."""
+        config, step = self.config, self.step
+        refresh_fraction = self.program.optimizer.plan.refresh_fraction()
+        mean_wire = ((1 - refresh_fraction) * self.wire[False]
+                      + refresh_fraction * self.wire.get(True, 0.0))
+        train_s = self.watch.get("train")
+        return {
+            "steps": step,
+            "steps_this_call": step - self.start,
+            "final_loss": self.last_loss,
+            "eval_loss": self.eval_loss,
+            "skipped_steps": int(self.opt_state.skipped),
+            "params": self.n_params,
+            "devices": self.num_devices,
+            "processes": jax.process_count(),
+            "comm_codec": config.comm.codec,
+            "comm_method": config.comm.method,
+            "optimizer": config.optimizer.name,
+            "wire_bytes_per_step": {("refresh" if v else "ordinary"): b
+                                    for v, b in self.wire.items()},
+            "wire_bytes_per_step_mean": mean_wire,
+            "wire_fp32_reference": self.fp32_wire,
+            "compile_s": self.watch.get("compile"),
+            "train_s": train_s,
+            "eval_s": self.watch.get("eval"),
+            "checkpoint_s": self.watch.get("checkpoint"),
+            "tokens_per_s": self.tokens_per_step * (step - self.start) / max(train_s, 1e-9),
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: a final evaluation (unless this step had one), the final
+        checkpoint, and the summary (printed and written to ``summary.json`` on process 0)."""
+        tc = self.tc
+        if self.evaluate_fn is not None and (self.eval_loss is None or self.step % tc.eval_every):
+            self.evaluate()
+        self.save()
+        summary = self.summary()
+        if self.is_main:
+            if self.workdir:
+                path = os.path.join(self.workdir, "summary.json")
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(summary, f, indent=2, default=str)
+            print("summary: " + json.dumps(summary, default=str), flush=True)
+        return summary
+
+    def close(self) -> None:
+        """Closes the progress bar, the metrics writer and the checkpointer."""
+        for part in ("progress", "writer", "checkpointer"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                obj.close()
 
 
 def train(
     config: ml_collections.ConfigDict,
     workdir: str | None = None,
     *,
-    resume: bool = False,
+    resume: bool | str = False,
     data: str | None = None,
     data_dir: str | None = None,
     batches: BatchFn | None = None,
@@ -143,9 +514,9 @@ def train(
 ) -> TrainResult:
     """Trains the Llama of ``config`` data-parallel over all devices of all processes.
 
-    Three phases: :func:`_setup` (config, mesh, compiled program, restored state, eval data,
-    outputs), :func:`_loop` (the steps with logging, evaluation, diagnostics, checkpoints) and
-    :func:`_finish` (final evaluation and checkpoint, ``summary.json``).
+    A :class:`Trainer` built, run and finished: setup, the steps with logging, evaluation,
+    diagnostics and checkpoints, then the final evaluation and checkpoint and
+    ``summary.json``.
 
     Args:
       config: a run config (``configs/base.py`` + overrides); missing trainer fields get
@@ -154,16 +525,19 @@ def train(
       workdir: checkpoints, ``metrics.jsonl``, TensorBoard events and ``summary.json``
         (default ``config.train.workdir``; empty: nothing is written and ``resume`` is
         impossible).
-      resume: continue from the latest checkpoint in ``workdir`` (if there is none, start
-        from scratch). The config must be the one the checkpoint was written with, except for
-        logging/eval/checkpoint cadence.
+      resume: ``True``: continue from the latest checkpoint in ``workdir`` (an error if there
+        is none); ``"auto"``: continue if there is one, else start fresh; ``False``: start
+        fresh (an error if ``workdir`` holds checkpoints). The config must be the one the
+        checkpoint was written with, except for logging/eval/checkpoint cadence. Resuming a
+        run that already reached ``train.num_steps`` changes nothing on disk and returns its
+        ``summary.json``.
       data: corpus spec for :func:`gift_jax.data.get_source` (default ``config.data.source``).
       data_dir: where the corpus lives (TFDS data dir / cache).
       batches: inject a batch function instead of :mod:`gift_jax.data` (see :data:`BatchFn`).
       eval_split: split of the periodic evaluation (default ``"validation"`` if the source has
         it, else ``"test"``; with injected ``batches``: ``"validation"``).
-      stop_after: stop after this many steps of this call (a partial run; its checkpoint
-        continues with ``resume=True``).
+      stop_after: stop after this many steps of this call (a partial run: a checkpoint is
+        written, and ``resume=True`` continues it; ``--stop_after`` in ``scripts/train.py``).
       show_progress: show the tqdm bar (process 0).
       compiler_options: XLA options for the train step variants (e.g.
         ``{"xla_backend_optimization_level": 0}`` to compile small test models fast).
@@ -174,288 +548,24 @@ def train(
     Raises:
       ConfigError: a bad setting (one line naming it and what is allowed).
       CheckpointMismatchError: ``resume`` with a checkpoint of another config.
+      TrainingStalledError: ``train.max_consecutive_skips`` consecutive skipped steps.
       KeyboardInterrupt: after saving a checkpoint, on Ctrl-C.
     """
-    run = _setup(config, workdir, resume=resume, data=data, data_dir=data_dir, batches=batches,
-                 eval_split=eval_split, stop_after=stop_after,
-                 compiler_options=compiler_options)
-    progress = Progress(run.start, run.tc.num_steps, enabled=run.is_main and show_progress)
+    trainer = Trainer(config, workdir, resume=resume, data=data, data_dir=data_dir,
+                      batches=batches, eval_split=eval_split, compiler_options=compiler_options,
+                      show_progress=show_progress)
     try:
-        interrupted = _loop(run, progress)
-    except BaseException:
-        progress.close()
-        run.close()
-        raise
-    progress.close()
-    if interrupted:
-        run.save(run.step)
-        run.close()
-        raise KeyboardInterrupt(f"interrupted at step {run.step}; checkpoint saved")
-    summary = _finish(run)
-    run.close()
-    return TrainResult(run.params, run.opt_state, run.step, run.history, summary)
-
-
-@dataclasses.dataclass
-class _Run:
-    """One :func:`train` call's run: what :func:`_setup` builds, the carried state that
-    :func:`_loop` advances, and what :func:`_finish` summarises."""
-
-    config: ml_collections.ConfigDict
-    workdir: str | None
-    program: Program
-    checkpointer: Checkpointer | None
-    writer: MetricsWriter
-    batches: BatchFn
-    num_devices: int
-    is_main: bool
-    params: Any  # carried: replicated parameters
-    opt_state: Any  # carried: the whole optimizer state
-    start: int  # step this call starts from (0 or the restored checkpoint's)
-    data_position: int  # index of the next training batch
-    end: int  # step this call stops at
-    compile_s: float  # seconds compiling the step variants
-    wire: dict[bool, float]  # wire bytes per device per step of each variant
-    n_params: int
-    evaluate: Callable | None  # jitted eval step, or None without periodic evaluation
-    eval_data: list[jax.Array]  # the fixed evaluation batches
-    diagnose: Callable | None  # jitted fidelity diagnostic, or None
-    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    step: int = 0  # optimizer steps completed
-    eval_loss: float | None = None  # last evaluation
-    last_loss: float | None = None  # loss of the last logged step
-    train_time: float = 0.0  # seconds inside train steps during this call
-    wall: float = 0.0  # seconds of the loop
-
-    @property
-    def tc(self) -> ml_collections.ConfigDict:
-        return self.config.train
-
-    @property
-    def fp32_wire(self) -> float:
-        """Bytes per device of one fp32 ring all-reduce of the parameters."""
-        n = self.num_devices
-        return 2 * (n - 1) / n * 4 * self.n_params
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.tc.global_batch_size * self.tc.seq_len
-
-    def record(self, step: int, metrics: dict[str, Any]) -> None:
-        """Appends a record to the history and writes it (metrics.jsonl, TensorBoard)."""
-        metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-        self.history.append({"step": step, **metrics})
-        self.writer.write(step, metrics)
-
-    def run_eval(self, step: int) -> float:
-        """Mean loss over the evaluation batches, recorded as ``eval/loss``."""
-        losses = [float(self.evaluate(self.params, b)) for b in self.eval_data]
-        value = float(np.mean(losses))
-        self.record(step, {"eval/loss": value})
-        return value
-
-    def save(self, step: int) -> None:
-        """Checkpoints the carried state at ``step`` (no-op without a workdir)."""
-        if self.checkpointer is not None:
-            self.checkpointer.save(step, {"params": self.params, "opt_state": self.opt_state},
-                                   data_position=step, skipped=int(self.opt_state.skipped))
-
-    def close(self) -> None:
-        """Closes the metrics writer and the checkpointer."""
-        self.writer.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-
-
-def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *, resume: bool,
-                    data: str | None) -> tuple[ml_collections.ConfigDict, str | None]:
-    """The completed, validated config (``data`` and the workdir written into it) and the
-    workdir (``None``: no output)."""
-    config = complete_config(config)
-    if data:
-        with config.unlocked():
-            config.data.source = data
-    workdir = workdir if workdir is not None else (config.train.workdir or None)
-    if resume and not workdir:
-        raise ConfigError("resume=True needs a workdir (--workdir) holding the checkpoints")
-    with config.unlocked():
-        config.train.workdir = workdir or ""
-    validate_config(config, jax.device_count())
-    return config, workdir
-
-
-def _setup(config: ml_collections.ConfigDict, workdir: str | None, *, resume: bool,
-           data: str | None, data_dir: str | None, batches: BatchFn | None,
-           eval_split: str | None, stop_after: int | None,
-           compiler_options: dict[str, Any] | None) -> _Run:
-    """Everything before the first step: validates the config, builds the mesh and the
-    cached compiled program, initialises or restores the state (refusing a workdir with
-    checkpoints unless ``resume``), compiles every step variant and reads its wire bytes,
-    loads the evaluation batches and opens the metrics writer."""
-    config, workdir = _resolve_config(config, workdir, resume=resume, data=data)
-    num_devices = jax.device_count()
-    model_config = LlamaConfig.from_mapping(config.model)
-    splits: tuple[str, ...] = ("train", "validation")
-    if batches is None:
-        batches, vocab, splits = data_batches(config.data.source, data_dir)
-        if vocab > model_config.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={model_config.vocab_size} is smaller than the vocabulary of "
-                f"data {config.data.source!r} ({vocab})"
-            )
-    if eval_split is None:
-        eval_split = next((s for s in ("validation", "test") if s in splits), None)
-    tc = config.train
-
-    mesh = make_mesh(config.mesh.intra_size)
-    checkpointer = Checkpointer(workdir, config, keep=tc.keep_checkpoints) if workdir else None
-    latest = checkpointer.latest_step() if checkpointer else None
-    if latest is not None and not resume:
-        raise ConfigError(
-            f"workdir {workdir!r} already holds checkpoints (latest step {latest}): pass "
-            "--resume to continue that run, or choose a new workdir"
-        )
-    resuming = latest is not None
-    if resuming:
-        checkpointer.check_config()  # fail fast, before anything is compiled
-    program = program_for(config, mesh, compiler_options)
-    step_fn = program.step
-    params, opt_state = program.init()
-    start = data_position = 0
-    if resuming:
-        restored = checkpointer.restore({"params": params, "opt_state": opt_state})
-        params, opt_state = step_fn.place(restored.state["params"],
-                                          restored.state["opt_state"])
-        start, data_position = restored.step, restored.data_position
-        log.info("resumed from step %d", start)
-    end = tc.num_steps if stop_after is None else min(tc.num_steps, start + stop_after)
-
-    t0 = time.perf_counter()
-    for variant in step_fn.variants():
-        step_fn.compiled(variant)
-    compile_s = time.perf_counter() - t0
-    wire = {v: step_fn.wire_report(v).total for v in step_fn.variants()}
-
-    evaluate = program.evaluate if (tc.eval_every and eval_split) else None
-    eval_data = []
-    if evaluate is not None:
-        it = batches(eval_split, tc.global_batch_size, tc.seq_len, seed=config.data.shuffle_seed,
-                     start_step=0, process_index=jax.process_index(),
-                     process_count=jax.process_count())
-        shape = (tc.global_batch_size, tc.seq_len + 1)
-        eval_data = [_global_batch(next(it), step_fn.batch_sharding, shape)
-                     for _ in range(tc.eval_batches)]
-    diagnose = program.diagnose if tc.diagnostics_every else None
-    is_main = jax.process_index() == 0
-    writer = MetricsWriter(workdir, enabled=is_main, start_step=start)
-    return _Run(config=config, workdir=workdir, program=program, checkpointer=checkpointer,
-                writer=writer, batches=batches, num_devices=num_devices, is_main=is_main,
-                params=params, opt_state=opt_state, start=start, data_position=data_position,
-                end=end, compile_s=compile_s, wire=wire, n_params=count_params(model_config),
-                evaluate=evaluate, eval_data=eval_data, diagnose=diagnose, step=start)
-
-
-def _loop(run: _Run, progress: Progress) -> bool:
-    """Runs steps ``run.start .. run.end``: the plan's refresh variant where due, a record
-    every ``log_every`` steps (window means, throughput excluding time outside train steps),
-    evaluation, wire/fidelity diagnostics and checkpoints at their cadences. Advances
-    ``run``'s carried state and counters; returns whether Ctrl-C stopped it early."""
-    tc, config = run.tc, run.config
-    step_fn, optimizer = run.program.step, run.program.optimizer
-    train_it = run.batches("train", tc.global_batch_size, tc.seq_len,
-                           seed=config.data.shuffle_seed, start_step=run.data_position,
-                           process_index=jax.process_index(),
-                           process_count=jax.process_count())
-    shape = (tc.global_batch_size, tc.seq_len + 1)
-    window: list[dict[str, jax.Array]] = []
-    window_refreshes = 0
-    window_start = run_start = time.perf_counter()
-    window_time = 0.0  # seconds in train steps of this window
-    interrupted = False
-    with _Interrupt() as interrupt:
-        while run.step < run.end:
-            if interrupt.stop_now(run.step, tc.log_every):
-                interrupted = True
-                break
-            batch = _global_batch(next(train_it), step_fn.batch_sharding, shape)
-            refresh = step_fn.refresh_due(run.step, run.opt_state)
-            run.params, run.opt_state, metrics = step_fn(run.params, run.opt_state, batch,
-                                                         refresh)
-            window.append(metrics)
-            window_refreshes += int(refresh)
-            run.step += 1
-            step = run.step
-            if step % tc.log_every == 0 or step == run.end:
-                fetched = jax.device_get(window)
-                elapsed = window_time + time.perf_counter() - window_start
-                run.train_time += elapsed
-                run.last_loss = float(fetched[-1]["loss"])
-                rec = _window_record(fetched, elapsed, run.tokens_per_step)
-                rec["learning_rate"] = float(optimizer.schedule(step - 1))
-                rec["refreshes"] = window_refreshes
-                run.record(step, rec)
-                progress.update(len(fetched), loss=f"{rec['loss']:.4f}",
-                                tok_s=f"{rec['tokens_per_s']:.0f}")
-                window, window_refreshes, window_time = [], 0, 0.0
-            extra = False
-            if run.evaluate is not None and step % tc.eval_every == 0:
-                run.eval_loss, extra = run.run_eval(step), True
-            if tc.diagnostics_every and step % tc.diagnostics_every == 0:
-                diag = {f"wire/bytes_per_step_{'refresh' if v else 'ordinary'}": b
-                        for v, b in run.wire.items()}
-                diag["wire/fp32_reference"] = run.fp32_wire
-                if run.diagnose is not None:
-                    report = jax.device_get(run.diagnose(run.params, run.opt_state, batch))
-                    diag.update({f"fidelity/{k}": float(v) for k, v in report.items()})
-                run.record(step, diag)
-                extra = True
-            if run.checkpointer and tc.checkpoint_every and step % tc.checkpoint_every == 0:
-                run.save(step)
-                extra = True
-            if extra or not window:  # time spent outside train steps is not throughput
-                if window:
-                    jax.block_until_ready(window[-1])
-                    window_time += time.perf_counter() - window_start
-                window_start = time.perf_counter()
-    run.wall = time.perf_counter() - run_start
-    return interrupted
-
-
-def _finish(run: _Run) -> dict[str, Any]:
-    """After the last step: a final evaluation (unless the last step had one), the final
-    checkpoint, and the summary (printed and written to ``summary.json`` on process 0)."""
-    tc, config, step = run.tc, run.config, run.step
-    if run.evaluate is not None and (run.eval_loss is None or step % tc.eval_every):
-        run.eval_loss = run.run_eval(step)
-    run.save(step)
-    plan = run.program.optimizer.plan
-    refresh_fraction = plan.refresh_fraction()
-    mean_wire = ((1 - refresh_fraction) * run.wire[False]
-                 + refresh_fraction * run.wire.get(True, 0.0))
-    summary = {
-        "steps": step,
-        "steps_this_call": step - run.start,
-        "final_loss": run.last_loss,
-        "eval_loss": run.eval_loss,
-        "skipped_steps": int(run.opt_state.skipped),
-        "params": run.n_params,
-        "devices": run.num_devices,
-        "processes": jax.process_count(),
-        "comm_codec": config.comm.codec,
-        "comm_method": config.comm.method,
-        "optimizer": config.optimizer.name,
-        "wire_bytes_per_step": {("refresh" if v else "ordinary"): b
-                                for v, b in run.wire.items()},
-        "wire_bytes_per_step_mean": mean_wire,
-        "wire_fp32_reference": run.fp32_wire,
-        "compile_s": run.compile_s,
-        "wall_s": run.wall,
-        "train_s": run.train_time,
-        "tokens_per_s": run.tokens_per_step * (step - run.start) / max(run.train_time, 1e-9),
-    }
-    if run.is_main:
-        if run.workdir:
-            with open(os.path.join(run.workdir, "summary.json"), "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2, default=str)
-        print("summary: " + json.dumps(summary, default=str), flush=True)
-    return summary
+        if trainer.already_finished:
+            summary = _read_summary(trainer.workdir) or trainer.summary()
+            msg = (f"run in {trainer.workdir} already finished at step {trainer.step} "
+                   f"(train.num_steps={trainer.tc.num_steps}); nothing to do")
+            log.info(msg)
+            if trainer.is_main:
+                print(msg, flush=True)
+        else:
+            trainer.run(stop_after)
+            summary = trainer.finish()
+    finally:
+        trainer.close()
+    return TrainResult(trainer.params, trainer.opt_state, trainer.step, trainer.history,
+                       summary)

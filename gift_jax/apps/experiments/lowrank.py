@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -40,6 +41,8 @@ from gift_jax.lowrank import mask_excluding, plumage, refresh_due
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import Llama, LlamaConfig, next_token_loss, param_shapes
 from gift_jax.training.config import load_config
+from gift_jax.training.optim import learning_rate_schedule
+from gift_jax.utils.timing import interleaved_times
 from gift_jax.utils.tree_paths import leaf_path
 
 __all__ = [
@@ -172,11 +175,10 @@ def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
 
 
 def _schedule(peak: float, s: CompareSettings) -> optax.Schedule:
-    decay = max(s.steps - s.warmup, 1)
-    after = optax.cosine_decay_schedule(peak, decay, alpha=s.final_lr_ratio)
-    if s.warmup == 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, s.warmup), after], [s.warmup])
+    """The trainer's schedule (linear warmup, cosine to ``final_lr_ratio`` × peak)."""
+    return learning_rate_schedule(ml_collections.ConfigDict(dict(
+        learning_rate=peak, final_learning_rate=s.final_lr_ratio * peak,
+        warmup_steps=s.warmup, schedule="cosine")), s.steps)
 
 
 def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.GradientTransformation:
@@ -605,14 +607,9 @@ def time_updates(
 
     # Interleaved rounds (every case once per round, best over rounds): a slow drift of the
     # machine's load then affects every case alike.
-    for _, _, fn, args, _ in cases:
-        jax.block_until_ready(fn(*args))  # compile + warm up
-    best = [float("inf")] * len(cases)
-    for i in range(max(c[4] for c in cases)):
-        for j, (_, _, fn, args, n) in enumerate(cases):
-            if i < n:
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                best[j] = min(best[j], time.perf_counter() - t0)
+    times = interleaved_times(
+        {j: (lambda fn=fn, args=args: fn(*args)) for j, (_, _, fn, args, _) in enumerate(cases)},
+        {j: c[4] for j, c in enumerate(cases)})
+    best = [min(times[j]) for j in range(len(cases))]
     return [{"optimizer": c[0], "step": c[1], "seconds": b} for c, b in zip(cases, best,
                                                                             strict=True)]

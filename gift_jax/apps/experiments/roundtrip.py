@@ -4,7 +4,8 @@ factor-staleness ablation.
 Pipeline (everything on one device, fp32):
 
 1. **Train** a small Llama (``configs/<name>.py``, default ``tiny``) with AdamW for a short run
-   in a plain ``jax.jit`` loop (:class:`Trainer`), on the configured corpus
+   with the library's trainer (:class:`Trainer` drives :class:`gift_jax.training.Trainer`:
+   the same step, schedule and data order as ``scripts/train.py``), on the configured corpus
    (:func:`gift_jax.data.get_source`).
 2. **Per-replica gradients** (:func:`make_replica_fn`): a global batch is split into R local
    batches — R simulated data-parallel replicas.  For each, the local kernel gradient ``G_r``
@@ -65,12 +66,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 
 from gift_jax import whitening as wh
 from gift_jax.comm.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
-from gift_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from gift_jax.models.llama import LlamaConfig, next_token_loss
+from gift_jax.training.config import complete_config
+from gift_jax.training.loop import Trainer as TrainingRun
 from gift_jax.utils.linalg import map_matrices
 from gift_jax.utils.tree_paths import flat_paths, matches
 from gift_jax.whitening.capture import find_linear_layers, kfac_value_and_grad, with_input_stats
@@ -108,73 +110,82 @@ DEFAULT_GROUPS: dict[str, tuple[str, ...]] = {
 
 
 class Trainer:
-    """A plain single-device AdamW loop (``jax.jit``) over the config's corpus.
+    """The trainer's own loop (:class:`gift_jax.training.Trainer`, no output files) on the
+    config's corpus, for experiments that measure between steps.
 
-    The learning rate follows the config's warmup + cosine schedule over ``schedule_steps``;
-    gradients are clipped to the config's global norm.  ``batches(global_batch, step)`` gives
-    training batches of any size (deterministic in ``(seed, step)``), so the replica captures
-    can use a larger batch than the optimizer steps.
+    Training is the library's: the config's AdamW (or Muon), its warmup + decay schedule over
+    ``schedule_steps`` (default ``train.num_steps``), clipping, the data-parallel step over
+    all devices with ``comm.codec``/``comm.method`` as configured (``fp32``/``none`` in the
+    experiments' configs: exact gradients).  ``seed`` sets both the initialisation and the
+    data order.  :meth:`batch` gives batches of any size (deterministic in ``(seed, step,
+    stream)``) so that the replica captures can use a larger batch than the optimizer steps.
     """
 
     def __init__(self, config, *, schedule_steps: int | None = None, seed: int | None = None,
-                 data: str | None = None):
+                 data: str | None = None, log_every: int = 50):
+        config = complete_config(config)
+        self.seed = int(config.train.seed if seed is None else seed)
+        with config.unlocked():
+            config.train.num_steps = int(schedule_steps or config.train.num_steps)
+            config.train.seed = config.data.shuffle_seed = self.seed
+            config.train.log_every = max(int(log_every), 1)
+            config.train.eval_every = config.train.diagnostics_every = 0
+            config.train.workdir = ""  # no output files
+            if data:
+                config.data.source = data
         self.config = config
         self.model_config = LlamaConfig.from_mapping(config.model)
-        self.seed = int(config.train.seed if seed is None else seed)
         self.seq_len = int(config.train.seq_len)
         self.global_batch = int(config.train.global_batch_size)
-        opt = config.optimizer
-        total = int(schedule_steps or config.train.num_steps)
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, opt.learning_rate, opt.warmup_steps, max(total, opt.warmup_steps + 1),
-            end_value=opt.final_learning_rate)
-        chain = [optax.clip_by_global_norm(opt.grad_clip_norm)] if opt.grad_clip_norm else []
-        self.tx = optax.chain(*chain, optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                                                  weight_decay=opt.weight_decay))
-        model = Llama(self.model_config, rngs=nnx.Rngs(self.seed))
-        self.graphdef, self.params = nnx.split(model)
-        self.opt_state = self.tx.init(self.params)
-        self.step = 0
-        self.losses: list[float] = []
+        self.run = TrainingRun(config, workdir=None)
+        self.graphdef = self.run.program.model_def.graphdef
         self._source = None
-        self._data_spec = data or config.data.source
-        graphdef, tx = self.graphdef, self.tx
 
-        @jax.jit
-        def train_step(params, opt_state, tokens):
-            loss, g = jax.value_and_grad(
-                lambda p: next_token_loss(nnx.merge(graphdef, p), tokens))(params)
-            upd, opt_state = tx.update(g, opt_state, params)
-            return optax.apply_updates(params, upd), opt_state, loss
+    @property
+    def step(self) -> int:
+        return self.run.step
 
-        self._train_step = train_step
+    @property
+    def params(self):
+        """The current parameters on one device, outside the trainer's mesh (the captures run
+        there)."""
+        return jax.device_put(jax.device_get(self.run.params), jax.devices()[0])
+
+    @property
+    def losses(self) -> list[float]:
+        """Mean training loss of every logged window so far."""
+        return [r["loss"] for r in self.run.history if "loss" in r]
 
     @property
     def source(self):
         if self._source is None:
             from gift_jax.data import get_source
 
-            self._source = get_source(self._data_spec)
+            self._source = get_source(self.config.data.source)
         return self._source
 
     def batch(self, global_batch: int, step: int, stream: int = 0) -> np.ndarray:
-        """int32 [global_batch, seq_len + 1] training batch ``step`` of stream ``stream``."""
+        """int32 [global_batch, seq_len + 1] training batch ``step`` of stream ``stream``
+        (stream 0 at the training batch size is the batch the trainer steps on)."""
         from gift_jax.data import batch_iterator
 
         it = batch_iterator(self.source, "train", global_batch, self.seq_len,
                             seed=self.seed + 7919 * stream, start_step=step)
         return np.asarray(next(it), np.int32)
 
-    def advance(self, steps: int, log_every: int = 0) -> None:
-        """Run ``steps`` optimizer steps on batches of the config's global batch size."""
-        for _ in range(steps):
-            tokens = self.batch(self.global_batch, self.step)
-            self.params, self.opt_state, loss = self._train_step(
-                self.params, self.opt_state, jnp.asarray(tokens))
-            self.step += 1
-            if log_every and self.step % log_every == 0:
-                self.losses.append(float(loss))
-                print(f"  step {self.step}: loss {float(loss):.4f}", flush=True)
+    def advance(self, steps: int, verbose: bool = False) -> None:
+        """Run ``steps`` optimizer steps (never past ``schedule_steps``)."""
+        if steps <= 0:
+            return
+        logged = len(self.run.history)
+        self.run.run(steps)
+        if verbose:
+            for r in self.run.history[logged:]:
+                if "loss" in r and r["step"] % self.config.train.log_every == 0:
+                    print(f"  step {r['step']}: loss {r['loss']:.4f}", flush=True)
+
+    def close(self) -> None:
+        self.run.close()
 
 
 # ============================================================================================
@@ -545,10 +556,10 @@ def train_and_capture(
     """Train ``train_steps`` steps, then capture ``capture_steps`` consecutive steps of R
     replicas (the optimizer keeps stepping with the exact gradient in between)."""
     if trainer is None:
-        trainer = Trainer(config, seed=seed,
+        trainer = Trainer(config, seed=seed, log_every=log_every,
                           schedule_steps=schedule_steps or max(train_steps + capture_steps,
                                                                config.train.num_steps))
-    trainer.advance(train_steps, log_every)
+    trainer.advance(train_steps, verbose=log_every > 0)
     fn = make_replica_fn(trainer.graphdef, layers, replicas, output_stats=output_stats)
     caps = []
     for i in range(capture_steps):
