@@ -4,8 +4,8 @@ Example (the measurement in docs/lowrank_results.md)::
 
     python scripts/lowrank_compare.py --out /tmp/lowrank_exp/compare
 
-The table in docs/lowrank_results.md combines two invocations (``--reuse``: the low-rank runs
-of the first with the retuned Adam baselines of the second). Writes ``results.json`` (every
+Every run is the library's trainer (``gift_jax.training.Trainer`` on one device, the settings
+over ``configs/base.py``). Writes ``results.json`` (every
 curve), ``table.md`` and ``curves.png`` under ``--out``.
 """
 
@@ -15,9 +15,13 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import time
 
 from gift_jax.apps.experiments import lowrank as E
+from gift_jax.training.config import load_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
 def main() -> None:
@@ -60,7 +64,7 @@ def main() -> None:
         raise SystemExit("no leaf is projected at this rank: the comparison would be Adam vs Adam")
 
     t0 = time.perf_counter()
-    results = E.run_comparison(s, methods, seeds)
+    results = E.run_comparison(s, methods, seeds, base_config=load_config("base", CONFIGS))
     if a.reuse:
         results += E.load_runs(a.reuse, s, a.reuse_methods.split(","))
     summary = E.summarize(results)

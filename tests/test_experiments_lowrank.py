@@ -1,6 +1,7 @@
 """Smoke tests of gift_jax.apps.experiments.lowrank (tiny model, a few steps, in-memory corpus)."""
 
 import math
+import pathlib
 
 import jax
 import numpy as np
@@ -10,9 +11,11 @@ import pytest
 from gift_jax.apps.experiments import lowrank as E
 from gift_jax.data import TokenSource
 from gift_jax.models import param_shapes
+from gift_jax.training.config import load_config
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
+BASE = load_config("base", pathlib.Path(__file__).resolve().parents[1] / "configs")
 TINY = E.CompareSettings(
     model=(("vocab_size", 256), ("d_model", 32), ("num_layers", 1), ("num_heads", 2),
            ("d_ff", 64), ("max_seq_len", 16)),
@@ -48,7 +51,7 @@ def test_projection_table_rank_too_large_keeps_dense():
 def test_train_run_smoke(source):
     # flora: the low-rank path (projection, moments, back-projection) without SVDs, which are
     # slow to compile on CPU; the PLUMAGE transformation itself is tested in test_lowrank.py.
-    r = E.train_run("flora", TINY, 0, source)
+    r = E.train_run("flora", TINY, 0, source, base_config=BASE)
     assert r.train_steps == [1, 2, 3, 4] and r.eval_steps == [2, 4]
     assert all(math.isfinite(x) for x in r.train_loss + r.eval_loss)
     assert r.final_eval < math.log(256) + 0.5

@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -139,7 +139,7 @@ class TrainingStalledError(RuntimeError):
 
 
 def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
-                    resume: bool | str, data: str | None
+                    resume: bool | str, data: str | None, num_devices: int
                     ) -> tuple[ml_collections.ConfigDict, str | None]:
     """The completed, validated config (``data`` and the workdir written into it) and the
     workdir (``None``: no output)."""
@@ -154,7 +154,7 @@ def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
         raise ConfigError("resume needs a workdir (--workdir) holding the checkpoints")
     with config.unlocked():
         config.train.workdir = workdir or ""
-    validate_config(config, jax.device_count())
+    validate_config(config, num_devices)
     return config, workdir
 
 
@@ -201,8 +201,16 @@ class Trainer:
         eval_split: str | None = None,
         compiler_options: dict[str, Any] | None = None,
         show_progress: bool = False,
+        devices: Sequence[jax.Device] | None = None,
+        update_rule: Callable | None = None,
     ):
-        config, workdir = _resolve_config(config, workdir, resume=resume, data=data)
+        """Arguments as :func:`train`'s, plus ``devices`` (the mesh's devices; default: all of
+        every process) and ``update_rule`` (``schedule → optax transformation`` replacing the
+        config's AdamW/Muon after the reduction; see
+        :func:`~gift_jax.training.method.build_optimizer`)."""
+        devices = jax.devices() if devices is None else list(devices)
+        config, workdir = _resolve_config(config, workdir, resume=resume, data=data,
+                                          num_devices=len(devices))
         self.config, self.workdir = config, workdir
         tc = config.train
         model_config = LlamaConfig.from_mapping(config.model)
@@ -217,7 +225,7 @@ class Trainer:
             eval_split = next((s for s in ("validation", "test") if s in splits), None)
         self.batches = batches
 
-        mesh = make_mesh(config.mesh.intra_size)
+        mesh = make_mesh(config.mesh.intra_size, devices)
         self.checkpointer = (Checkpointer(workdir, config, keep=tc.keep_checkpoints)
                              if workdir else None)
         latest = self.checkpointer.latest_step() if self.checkpointer else None
@@ -234,7 +242,7 @@ class Trainer:
                 "one and start fresh otherwise")
         if latest is not None:
             self.checkpointer.check_config()  # fail fast, before anything is compiled
-        self.program = program = program_for(config, mesh, compiler_options)
+        self.program = program = program_for(config, mesh, compiler_options, update_rule)
         step_fn = program.step
         self.params, self.opt_state = program.init()
         self.step = self.data_position = 0
@@ -274,7 +282,7 @@ class Trainer:
                                  enabled=self.is_main and show_progress
                                  and not self.already_finished)
         self.n_params = count_params(model_config)
-        self.num_devices = jax.device_count()
+        self.num_devices = len(devices)
         self.history: list[dict[str, Any]] = []
         self.eval_loss: float | None = None  # last evaluation
         self.last_loss: float | None = None  # loss of the last logged step

@@ -21,6 +21,7 @@ config — which optax chain to build (:meth:`CommPlan.build`), whether a step r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,12 +44,15 @@ class CommPlan:
       gift_layers: layer patterns whose input statistics a refresh step captures (``()``
         without a GIFT stage).
       gift_two_sided: a refresh also captures the output-side statistics ``B = E[g gᵀ]``.
+      update_rule: ``schedule → optax transformation`` replacing the config's AdamW/Muon after
+        the reduction and clipping (the experiments' baselines); ``None``: the config's.
     """
 
     codec: str
     refresh_every: int | None = None
     gift_layers: tuple[str, ...] = ()
     gift_two_sided: bool = False
+    update_rule: Callable[[optax.Schedule], optax.GradientTransformation] | None = None
 
     name = "none"
 
@@ -112,11 +116,11 @@ class CommPlan:
         stage = optim.allreduce_stage(config, axes, self.codec)
         return self._dense_chain(config, stage, schedule), stage
 
-    @staticmethod
-    def _dense_chain(config, stage, schedule) -> optax.GradientTransformation:
+    def _dense_chain(self, config, stage, schedule) -> optax.GradientTransformation:
 
-        return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config),
-                           optim.dense_optimizer(config, schedule))
+        rule = optim.dense_optimizer(config, schedule) if self.update_rule is None else (
+            self.update_rule(schedule))
+        return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config), rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +199,9 @@ class PlumagePlan(CommPlan):
     def build(self, config, axes, schedule):
         from gift_jax.lowrank import plumage
 
+        if self.update_rule is not None:
+            raise ConfigError("an update_rule replaces the dense optimizer; with "
+                              "comm.method='plumage' PLUMAGE is the optimizer")
         pl, opt = config.plumage, config.optimizer
         stage = optim.allreduce_stage(config, axes, self.codec)
         communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config))
@@ -268,14 +275,20 @@ class Optimizer:
         return self.plan.refresh_every
 
 
-def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...]) -> Optimizer:
+def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...],
+                    update_rule: Callable[[optax.Schedule], optax.GradientTransformation]
+                    | None = None) -> Optimizer:
     """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
     :meth:`CommPlan.build` of the config's plan,
     wrapped in :func:`~gift_jax.training.optim.skip_nonfinite`.
 
     ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
+    ``update_rule`` (``schedule → transformation``) replaces the config's AdamW/Muon after
+    the reduction and clipping (``comm.method`` none or gift).
     """
     plan = comm_plan(config)
+    if update_rule is not None:
+        plan = dataclasses.replace(plan, update_rule=update_rule)
     schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
     chain, stage = plan.build(config, axes, schedule)
     return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

@@ -40,12 +40,14 @@ class Program:
     """The compiled pieces of one run configuration on one mesh."""
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None,
+                 update_rule: Callable | None = None):
         tc = config.train
         self.mesh = mesh
         self.model_config = LlamaConfig.from_mapping(config.model)
         self.model_def = model_def_of(self.model_config)
-        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh))
+        self.update_rule = update_rule  # kept alive: its id is part of the cache key
+        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh), update_rule)
         self.init_params = params_init_fn(self.model_config, tc.seed, mesh)
         abstract_params = jax.eval_shape(self.init_params)
         self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh)
@@ -75,22 +77,28 @@ class Program:
                            self._accum)
 
 
-def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options) -> tuple:
+def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options,
+         update_rule) -> tuple:
     fields = {k: v for k, v in json.loads(to_json(config)).items()
               if k not in RUN_CONTROL_FIELDS}
     devices = tuple(int(d.id) for d in mesh.devices.flat)
     options = json.dumps(compiler_options or {}, sort_keys=True, default=str)
-    return json.dumps(fields, sort_keys=True), mesh.axis_names, mesh.devices.shape, devices, options
+    rule = None if update_rule is None else id(update_rule)
+    return (json.dumps(fields, sort_keys=True), mesh.axis_names, mesh.devices.shape, devices,
+            options, rule)
 
 
 def program_for(config: ml_collections.ConfigDict, mesh: Mesh,
-                compiler_options: dict[str, Any] | None = None) -> Program:
-    """The cached :class:`Program` of ``config`` on ``mesh`` (built on first use)."""
-    key = _key(config, mesh, compiler_options)
+                compiler_options: dict[str, Any] | None = None,
+                update_rule: Callable | None = None) -> Program:
+    """The cached :class:`Program` of ``config`` on ``mesh`` (built on first use); with an
+    ``update_rule`` (see :func:`~gift_jax.training.method.build_optimizer`) the cache is keyed
+    by that object's identity (the cached program holds it)."""
+    key = _key(config, mesh, compiler_options, update_rule)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    program = Program(config, mesh, compiler_options)
+    program = Program(config, mesh, compiler_options, update_rule)
     _CACHE[key] = program
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

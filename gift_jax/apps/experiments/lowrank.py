@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,12 +34,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from flax import nnx
 
 from gift_jax.lowrank import mask_excluding, plumage, refresh_due
 from gift_jax.lowrank.views import resolve_layouts
-from gift_jax.models import Llama, LlamaConfig, next_token_loss, param_shapes
-from gift_jax.training.config import load_config
+from gift_jax.models import LlamaConfig, param_shapes
+from gift_jax.training.config import complete_config, load_config
+from gift_jax.training.loop import Trainer
 from gift_jax.training.optim import learning_rate_schedule
 from gift_jax.utils.timing import interleaved_times
 from gift_jax.utils.tree_paths import leaf_path
@@ -73,6 +72,8 @@ _STRATEGY = {
     "plumage": ("plumage", True),
     "plumage_norealign": ("plumage", False),
 }
+#: The layers every low-rank method projects (attention and MLP kernels; GaLore's targets).
+PROJECTED_PATTERNS = ("*/attn/*_proj", "*/mlp/*_proj")
 #: Substrings of the parameter paths kept dense (embedding and output head).
 DENSE_SUBSTRINGS = ("embed", "lm_head")
 
@@ -181,6 +182,21 @@ def _schedule(peak: float, s: CompareSettings) -> optax.Schedule:
         warmup_steps=s.warmup, schedule="cosine")), s.steps)
 
 
+def adam_scaled(s: CompareSettings) -> Callable[[optax.Schedule], optax.GradientTransformation]:
+    """``schedule →`` full-rank Adam whose update is scaled by GaLore's α on the leaves the
+    low-rank methods project (the k → min-side limit of GaLore): the trainer's
+    ``update_rule`` of method ``adam_scaled``."""
+
+    def rule(schedule: optax.Schedule) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.scale_by_adam(b1=s.b1, b2=s.b2, eps=s.eps),
+            optax.masked(optax.scale(s.scale), dense_mask()),
+            optax.scale_by_learning_rate(schedule),
+        )
+
+    return rule
+
+
 def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.GradientTransformation:
     """The optimizer of ``method`` under settings ``s`` (clipping → method → learning rate)."""
     if method not in METHODS:
@@ -189,11 +205,7 @@ def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.Grad
     if method == "adam":
         tx = optax.adam(_schedule(s.lr_adam, s), b1=s.b1, b2=s.b2, eps=s.eps)
     elif method == "adam_scaled":
-        tx = optax.chain(
-            optax.scale_by_adam(b1=s.b1, b2=s.b2, eps=s.eps),
-            optax.masked(optax.scale(s.scale), dense_mask()),
-            optax.scale_by_learning_rate(_schedule(s.lr_lowrank, s)),
-        )
+        tx = adam_scaled(s)(_schedule(s.lr_lowrank, s))
     else:
         strategy, realign = _STRATEGY[method]
         tx = plumage(
@@ -253,44 +265,60 @@ class RunResult:
         return self.eval_loss[-1]
 
 
-def _eval_batches(source, s: CompareSettings) -> np.ndarray:
+def trainer_config(method: str, s: CompareSettings, seed: int,
+                   base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The trainer config of one run: ``base`` (``configs/base.py``) with the settings ``s``,
+    ``fp32`` communication, and ``comm.method='plumage'`` (projector, realignment) for the
+    low-rank methods. ``seed`` is the parameter init, the data order and the sampling key."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if (s.eval_batches * s.eval_batch) % s.batch:
+        raise ValueError(f"eval_batches * eval_batch = {s.eval_batches * s.eval_batch} must be "
+                         f"a multiple of batch={s.batch} (the trainer evaluates at its batch)")
+    config = complete_config(base)
+    lr = s.lr_adam if method == "adam" else s.lr_lowrank
+    fields = {
+        **{f"model.{k}": v for k, v in s.model},
+        "optimizer.name": "adamw", "optimizer.learning_rate": lr,
+        "optimizer.final_learning_rate": s.final_lr_ratio * lr,
+        "optimizer.warmup_steps": s.warmup, "optimizer.schedule": "cosine",
+        "optimizer.weight_decay": 0.0, "optimizer.b1": s.b1, "optimizer.b2": s.b2,
+        "optimizer.eps": s.eps, "optimizer.grad_clip_norm": s.clip,
+        "train.seed": seed, "data.shuffle_seed": seed, "data.source": s.data,
+        "train.global_batch_size": s.batch, "train.seq_len": s.seq_len,
+        "train.num_steps": s.steps, "train.log_every": 1, "train.eval_every": s.eval_every,
+        "train.eval_batches": s.eval_batches * s.eval_batch // s.batch,
+        "train.checkpoint_every": 0, "train.diagnostics_every": 0, "train.workdir": "",
+        "comm.codec": "fp32", "comm.method": "none",
+    }
+    if method in _STRATEGY:
+        strategy, realign = _STRATEGY[method]
+        fields.update({"comm.method": "plumage", "plumage.projector": strategy,
+                       "plumage.realign_moments": realign, "plumage.rank": s.rank,
+                       "plumage.refresh_every": s.refresh_every, "plumage.scale": s.scale,
+                       "plumage.layers": PROJECTED_PATTERNS})
+    with config.unlocked():
+        for name, value in fields.items():
+            group, field = name.split(".")
+            with config[group].ignore_type():
+                config[group][field] = value
+    return config
+
+
+def _source_batches(source):
+    """The trainer's batch function over ``source``: training batches in the seed's order;
+    validation windows in corpus order (``loop=False``), the same for every seed."""
     from gift_jax.data import batch_iterator
 
-    it = batch_iterator(source, "validation", s.eval_batch, s.seq_len, loop=False)
-    out = [b for _, b in zip(range(s.eval_batches), it, strict=False)]
-    if len(out) < s.eval_batches:
-        raise ValueError(f"validation split has only {len(out)} batches of {s.eval_batch}")
-    return np.stack(out)
+    def batches(split, global_batch, seq_len, **kwargs):
+        if split == "train":
+            return batch_iterator(source, split, global_batch, seq_len, **kwargs)
+        return batch_iterator(source, split, global_batch, seq_len, loop=False)
+
+    return batches
 
 
-_PROGRAMS: dict = {}
-
-
-def _programs(method: str, s: CompareSettings):
-    """Jitted train step (per method) and eval loss, cached so seeds reuse the compilation."""
-    key = (method, s)
-    if key in _PROGRAMS:
-        return _PROGRAMS[key]
-    abstract = nnx.eval_shape(lambda: Llama(s.model_config, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(abstract, nnx.Param)
-    tx = make_optimizer(method, s, 0)
-
-    def loss_fn(p, tokens):
-        return next_token_loss(nnx.merge(graphdef, p), tokens)
-
-    @jax.jit
-    def train_step(p, o, tokens):
-        loss, g = jax.value_and_grad(loss_fn)(p, tokens)
-        updates, o = tx.update(g, o, p)
-        return optax.apply_updates(p, updates), o, loss
-
-    ekey = ("eval", s)
-    if ekey not in _PROGRAMS:
-        _PROGRAMS[ekey] = jax.jit(
-            lambda p, batches: jnp.mean(jax.lax.map(lambda b: loss_fn(p, b), batches))
-        )
-    _PROGRAMS[key] = (graphdef, train_step, _PROGRAMS[ekey])
-    return _PROGRAMS[key]
+_RULES: dict = {}
 
 
 def train_run(
@@ -299,34 +327,31 @@ def train_run(
     seed: int,
     source,
     *,
+    base_config: ml_collections.ConfigDict,
     log: Callable[[str], None] | None = None,
 ) -> RunResult:
-    """Trains the Llama of ``s`` with ``method`` (seed: init, data order and sampling key)."""
-    from gift_jax.data import batch_iterator
-
-    graphdef, train_step, eval_loss = _programs(method, s)
-    model = Llama(s.model_config, rngs=nnx.Rngs(seed))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    # The sampling seed only enters the state (init); the jitted update is shared by seeds.
-    opt_state = make_optimizer(method, s, seed).init(params)
-
-    val = jnp.asarray(_eval_batches(source, s))
-    it = batch_iterator(source, "train", s.batch, s.seq_len, seed=seed)
-    res = RunResult(method, seed, [], [], [], [], 0.0)
-    start = time.perf_counter()
-    for step in range(1, s.steps + 1):
-        params, opt_state, loss = train_step(params, opt_state, jnp.asarray(next(it)))
-        res.train_steps.append(step)
-        res.train_loss.append(float(loss))
-        if step % s.eval_every == 0 or step == s.steps:
-            res.eval_steps.append(step)
-            res.eval_loss.append(float(eval_loss(params, val)))
+    """Trains the Llama of ``s`` with ``method`` on one device with the library's trainer
+    (:class:`gift_jax.training.Trainer`: the step, schedule and clipping of
+    ``scripts/train.py``); the compiled program is shared by the seeds of a method."""
+    config = trainer_config(method, s, seed, base_config)
+    rule = _RULES.setdefault(s, adam_scaled(s)) if method == "adam_scaled" else None
+    trainer = Trainer(config, batches=_source_batches(source), eval_split="validation",
+                      devices=jax.devices()[:1], update_rule=rule)
+    try:
+        for _ in range(0, s.steps, s.eval_every):
+            trainer.run(s.eval_every)
+            if trainer.step % s.eval_every:
+                trainer.evaluate()  # the last step, between two evaluation steps
             if log is not None:
-                log(
-                    f"  {method:18s} seed {seed} step {step:4d} train {res.train_loss[-1]:.4f} "
-                    f"eval {res.eval_loss[-1]:.4f}"
-                )
-    res.seconds = time.perf_counter() - start
+                log(f"  {method:18s} seed {seed} step {trainer.step:4d} train "
+                    f"{trainer.last_loss:.4f} eval {trainer.eval_loss:.4f}")
+    finally:
+        trainer.close()
+    train = [r for r in trainer.history if "loss" in r]
+    evals = [r for r in trainer.history if "eval/loss" in r]
+    res = RunResult(method, seed, [r["step"] for r in train], [r["loss"] for r in train],
+                    [r["step"] for r in evals], [r["eval/loss"] for r in evals],
+                    trainer.watch.get("train") + trainer.watch.get("eval"))
     if not math.isfinite(res.final_eval):
         raise FloatingPointError(f"{method} seed {seed}: non-finite final eval loss")
     return res
@@ -337,10 +362,12 @@ def run_comparison(
     methods: Sequence[str] = METHODS,
     seeds: Sequence[int] = (0, 1, 2),
     *,
+    base_config: ml_collections.ConfigDict,
     source=None,
     log: Callable[[str], None] | None = print,
 ) -> list[RunResult]:
-    """Every method × every seed; returns the runs in that order."""
+    """Every method × every seed (``base_config``: ``configs/base.py``, which the settings
+    override); returns the runs in that order."""
     if source is None:
         from gift_jax.data import get_source
 
@@ -348,7 +375,7 @@ def run_comparison(
     results = []
     for method in methods:  # method-major: each method compiles once, its seeds reuse it
         for seed in seeds:
-            r = train_run(method, s, seed, source, log=log)
+            r = train_run(method, s, seed, source, base_config=base_config, log=log)
             if log is not None:
                 log(f"{method} seed {seed}: final eval {r.final_eval:.4f} ({r.seconds:.1f} s)")
             results.append(r)
