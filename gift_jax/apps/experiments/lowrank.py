@@ -40,7 +40,8 @@ from gift_jax.lowrank import mask_excluding, plumage, refresh_due
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import Llama, LlamaConfig, next_token_loss, param_shapes
 from gift_jax.training.config import load_config
-from gift_jax.utils.tree_paths import leaf_path
+from gift_jax.training.optim import DENSE_PATTERNS
+from gift_jax.utils.tree_paths import leaf_path, matches
 
 __all__ = [
     "METHODS",
@@ -70,8 +71,6 @@ _STRATEGY = {
     "plumage": ("plumage", True),
     "plumage_norealign": ("plumage", False),
 }
-#: Substrings of the parameter paths kept dense (embedding and output head).
-DENSE_SUBSTRINGS = ("embed", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +138,9 @@ class CompareSettings:
 
 
 def dense_mask() -> Callable[[Any], Any]:
-    """Projection mask: every ≥2-D leaf except the embedding and the output head."""
-    return mask_excluding(*DENSE_SUBSTRINGS)
+    """Projection mask: every ≥2-D leaf except the embedding and the output head (the
+    trainer's :data:`~gift_jax.training.optim.DENSE_PATTERNS`)."""
+    return mask_excluding(*DENSE_PATTERNS)
 
 
 def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
@@ -215,8 +215,7 @@ def optax_galore(rank: int, refresh_every: int, scale: float, lr: float = 1.0, b
 
     def dims(params):
         def f(path, x):
-            name = leaf_path(path).lower()
-            dense = x.ndim != 2 or any(d in name for d in DENSE_SUBSTRINGS)
+            dense = x.ndim != 2 or matches(leaf_path(path), DENSE_PATTERNS)
             return None if dense else optax.contrib.GaLoreDimensionNumbers(0, 1)
 
         return jax.tree_util.tree_map_with_path(f, params)
