@@ -39,6 +39,7 @@ from gift_jax.comm.stage import (
     init_on_mesh,
     matrices_only,
     partition_specs,
+    reframe_error_feedback,
     reset_error_feedback,
 )
 from gift_jax.comm.wire import WireReport, parse_hlo, wire_bytes
@@ -105,6 +106,7 @@ __all__ = [
     "quantized_all_gather",
     "quantized_psum",
     "quantized_reduce_scatter",
+    "reframe_error_feedback",
     "remove_capture",
     "reset_error_feedback",
     "roundtrip",

@@ -296,21 +296,24 @@ def test_projected_factor_for_plumage():
     k = 6
     g, a = _data(12)
     proj = _normal(13, (N, k)) / np.sqrt(N)
-    params = {"mlp": {"down_proj": {"kernel": jnp.zeros((N, M))}}}
     r = {"mlp": {"down_proj": {"kernel": proj.T @ g[0]}}}
-    tx = gift(_recording(), layers=["mlp/down_proj"], factor="full_symmetric", projected_dim=k)
-    state = tx.init(params)
+    tx = gift(_recording(), layers=["mlp/down_proj"], factor="full_symmetric")
+    state = tx.init(r).with_input_widths({"mlp/down_proj/kernel": N})  # the projecting hook
     assert state.stats["mlp/down_proj/kernel"].shape == (1, N, N)
-    _, st = jax.jit(lambda r, s, p, a, m: tx.update(
-        r, s, p, gift_stats={"mlp/down_proj/kernel": a},
-        gift_projection={"mlp/down_proj/kernel": m}))(r, state, params, a[0], proj)
+    assert state.factors["mlp/down_proj/kernel"].w.shape == (1, k, k)  # k from the shapes
+    _, st = jax.jit(lambda r, s, a, m: tx.update(  # no params: every width is in the shapes
+        r, s, gift_stats={"mlp/down_proj/kernel": a},
+        gift_projection={"mlp/down_proj/kernel": m}))(r, state, a[0], proj)
     pm = np.asarray(proj, np.float64)
     w = _np_sym_w(pm.T @ np.asarray(a[0], np.float64) @ pm)
     np.testing.assert_allclose(st.inner_state["mlp"]["down_proj"]["kernel"],
                                w @ np.asarray(r["mlp"]["down_proj"]["kernel"]), rtol=1e-3,
                                atol=1e-4)
     with pytest.raises(ValueError, match="gift_projection"):
-        tx.update(r, state, params, gift_stats={"mlp/down_proj/kernel": a[0]})
+        tx.update(r, state, gift_stats={"mlp/down_proj/kernel": a[0]})
+    with pytest.raises(ValueError, match="no layer receives projected"):
+        tx.update(r, tx.init(r), gift_stats={"mlp/down_proj/kernel": jnp.eye(k)},
+                  gift_projection={"mlp/down_proj/kernel": proj})
 
 
 def test_subspace_eigensolver_close_to_eigh():

@@ -318,7 +318,7 @@ def test_jit_no_recompile_shapes_and_layouts():
     params = _params()
     opt = plumage(
         1e-2, rank=2, refresh_every=3, weight_dimension_numbers=_DIMS,
-        mask=mask_excluding("attn", "wide"),
+        mask=mask_excluding("attn", "wide"),  # whole-path patterns of the two leaves
     )
     traces = []
 

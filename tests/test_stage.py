@@ -190,3 +190,36 @@ def test_single_device_identity():
     state = tx.init(params)
     updates, _ = jax.jit(tx.update)({"w": jnp.full((3, 2), 0.5)}, state, params)
     np.testing.assert_array_equal(np.asarray(updates["w"]), -0.5)
+
+
+def test_reframe_error_feedback_maps_own_residuals_and_zeroes_moved_shard_rows(mesh):
+    """The protocol a wrapping stage (GIFT at a refresh) uses: each replica's own residual goes
+    through ``change``; the shard owners' rows of moved leaves are zeroed (located by the
+    bucket plan of a bare all-reduce; every row without one), the other rows are kept."""
+    stage = gj.allreduce("data", codec="fp8_e4m3", error_feedback=True)
+    g = {"w": jax.random.normal(jax.random.key(3), (N, 32, 16)),  # 4 rows of 128
+         "b": jax.random.normal(jax.random.key(4), (N, 16))}  # 1 row; 8 rows: one per device
+    double_w = lambda t: {"w": 2 * t["w"], "b": t["b"]}
+    moved = {"w": True, "b": False}
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        _, st = stage.update(g, stage.init(g))
+        known = gj.reframe_error_feedback(st, stage, g, double_w, moved)
+        unknown = gj.reframe_error_feedback(st, optax.identity(), g, double_w, moved)
+        return st.residuals, known.residuals, unknown.residuals
+
+    spec = P("data")
+    (local, shard), (k_local, k_shard), (u_local, u_shard) = jax.tree.map(
+        np.asarray, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                          check_vma=False))(
+            jax.device_put(g, NamedSharding(mesh, spec))))
+    for mapped in (k_local, u_local):
+        np.testing.assert_array_equal(mapped["w"], 2 * local["w"])
+        np.testing.assert_array_equal(mapped["b"], local["b"])
+    (shard,), (k_shard,), (u_shard,) = shard, k_shard, u_shard  # one bucket: [N, 1, 128]
+    nonzero = lambda x: [i for i in range(N) if np.any(x[i] != 0)]
+    assert len(nonzero(shard)) == 5 and not nonzero(u_shard)
+    kept = nonzero(k_shard)
+    assert len(kept) == 1  # b's row: kept as it was; w's four rows zeroed
+    np.testing.assert_array_equal(k_shard[kept[0]], shard[kept[0]])

@@ -452,6 +452,51 @@ def init_residuals(tree, spec: AllReduceSpec):
     return (local, shard)
 
 
+def reframe_residuals(residuals, tree, change: Callable[[Any], Any], moved,
+                      spec: AllReduceSpec | None = None):
+    """Error-feedback buffers ``(local, shard)`` after some leaves of ``tree`` changed frame.
+
+    The protocol by which a stage around the all-reduce that re-expresses its leaves (GIFT,
+    whose whitening ``W`` changes at a refresh) keeps what each replica owes, without knowing
+    how the buffers are laid out:
+
+    * each replica's own error ``local`` (leaf-shaped) is mapped exactly: ``change`` takes a
+      tree like ``tree`` in the old frame and returns it in the new one (leaves that did not
+      move must come back unchanged);
+    * the shard owners' re-quantization errors ``shard`` are row slices of packed buckets
+      (a slice spans whole input columns of no single leaf), which cannot be mapped locally:
+      the rows of leaves where ``moved`` (a tree of bools like ``tree``) is True are zeroed,
+      one step's re-quantization error of those rows being dropped. Without ``spec`` (the
+      bucket plan is unknown: the buffers belong to a stage other than a bare
+      :func:`gift_jax.allreduce`) every shard row is zeroed.
+
+    ``tree``: the tree the all-reduce reduces (its structure and shapes give the bucket plan);
+    ``residuals``: as :func:`init_residuals` made them (``None`` is returned unchanged).
+    Run where ``spec.axis_name`` is bound (inside ``jax.shard_map``).
+    """
+    if residuals is None:
+        return None
+    local, shard = residuals
+    local = jax.tree_util.tree_map(lambda x: x[None],
+                                   change(jax.tree_util.tree_map(lambda x: x[0], local)))
+    if spec is None:
+        return local, jax.tree_util.tree_map(jnp.zeros_like, shard)
+    moved_leaves = {i for i, m in enumerate(jax.tree_util.tree_leaves(moved)) if m}
+    buckets, _ = spec.plan(tree)
+    out = []
+    for bucket, res in zip(buckets, shard, strict=True):
+        ids = bucket.row_leaf_ids()
+        keep = np.ones((bucket.rows,), bool)
+        for j, slot in enumerate(bucket.slots):
+            if slot.leaf in moved_leaves:
+                keep[ids == j] = False
+        rs = res.shape[1]
+        mine = jax.lax.dynamic_slice_in_dim(
+            jnp.asarray(keep), jax.lax.axis_index(spec.axis_name) * rs, rs)
+        out.append(jnp.where(mine[None, :, None], res, 0.0))
+    return local, tuple(out)
+
+
 def _bucket_residual_in(residuals, bucket: Bucket, b):
     local, shard = residuals
     local_leaves = jax.tree_util.tree_leaves(local)

@@ -19,6 +19,7 @@ trainer's) takes the same decision everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ from gift_jax.comm.collectives import (
     AxisName,
     all_reduce_tree,
     init_residuals,
+    reframe_residuals,
     resolve_codecs,
 )
 
@@ -146,12 +148,40 @@ def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) ->
     return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
 
 
+def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree: Any,
+                           change: Callable[[Any], Any], moved: Any) -> Any:
+    """Carry the error-feedback residuals of every :class:`AllReduceState` in ``state`` across
+    a change of frame of some leaves of ``tree`` (see
+    :func:`~gift_jax.comm.collectives.reframe_residuals`).
+
+    For stages that wrap an all-reduce ``stage`` and re-express what they send through it
+    (GIFT's refresh changes ``W``): ``change`` maps a tree like ``tree`` from the old frame to
+    the new one, ``moved`` marks (tree of bools) the leaves whose frame changed. The wrapping
+    stage does not see the buffers' layout: each replica's own residual is mapped by
+    ``change``; the shard owners' residual rows of moved leaves are zeroed, located through the
+    bucket plan when ``stage`` is a bare, non-hierarchical :func:`allreduce` (every shard row
+    is zeroed otherwise).
+    """
+    spec = allreduce_spec(stage)
+    if spec is not None and spec.intra_axis is not None:
+        spec = None  # hierarchical: no error feedback (see allreduce)
+
+    def fix(node):
+        if not isinstance(node, AllReduceState) or node.residuals is None:
+            return node
+        return node._replace(residuals=reframe_residuals(node.residuals, tree, change, moved,
+                                                         spec))
+
+    return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
+
+
 def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
     """The :class:`~gift_jax.comm.collectives.AllReduceSpec` of an :func:`allreduce` stage (its
     axes, codec and bucket plan, ``spec.plan(tree)``), or ``None`` for any other transformation.
 
     The protocol by which stages that wrap the all-reduce (GIFT) learn what it does: the stage
-    carries its static spec, and this accessor is the one place that reads it.
+    carries its static spec, and this accessor is the one place that reads it (what such a
+    stage does with its error-feedback buffers goes through :func:`reframe_error_feedback`).
     """
     spec = getattr(stage.update, _SPEC_ATTRIBUTE, None)
     return spec if isinstance(spec, AllReduceSpec) else None

@@ -453,9 +453,9 @@ def _init_comm(s: Settings, params: Any, layouts: Any) -> tuple[Any, Any]:
     if paths:
         if not s.separate_refresh_stage:
             raise ValueError(
-                "scale_by_plumage: communicate contains a GIFT stage (projected_dim=k), which "
-                "cannot reduce the full-width gradients of refresh steps; pass "
-                "communicate_refresh= (e.g. the plain all-reduce chain)"
+                "scale_by_plumage: communicate contains a GIFT stage (it whitens the projected "
+                "coordinates), which cannot reduce the full-width gradients of refresh steps; "
+                "pass communicate_refresh= (e.g. the plain all-reduce chain)"
             )
         by_path = {leaf_path(p): (x, lay) for (p, x), lay in zip(
             jax.tree_util.tree_flatten_with_path(params)[0], lays, strict=True)}
@@ -467,10 +467,10 @@ def _init_comm(s: Settings, params: Any, layouts: Any) -> tuple[Any, Any]:
     return comm_state, s.comm_refresh.init(jax.tree.map(jnp.zeros_like, params))
 
 
-def _pop_gift_stats(s: Settings, comm_state: Any, refresh_now: bool | None, params: Any,
+def _pop_gift_stats(s: Settings, comm_state: Any, refresh_now: bool | None,
                     extra_args: dict) -> Any:
-    """``gift_stats`` for a whitening stage in ``communicate``: required (with ``params``) on
-    refresh steps (its factor ``MᵀAM`` must follow the new ``M``), refused otherwise."""
+    """``gift_stats`` for a whitening stage in ``communicate``: required on refresh steps (its
+    factor ``MᵀAM`` must follow the new ``M``), refused otherwise."""
     if s.comm is None or not _whitened_layers(comm_state):
         return None
     stats = extra_args.pop("gift_stats", None)
@@ -483,11 +483,6 @@ def _pop_gift_stats(s: Settings, comm_state: Any, refresh_now: bool | None, para
         raise ValueError(
             "scale_by_plumage: gift_stats is only accepted on refresh steps "
             "(plumage_refresh=True), when the projection and GIFT's factors change"
-        )
-    if refresh_now and params is None:
-        raise ValueError(
-            "scale_by_plumage: a GIFT stage in communicate needs params in update() on "
-            "refresh steps (its statistics are in the params' coordinates)"
         )
     return stats
 
@@ -631,7 +626,7 @@ def scale_by_plumage(
 
     def update_fn(updates, state: PlumageState, params=None, **extra_args):
         refresh_now = _static_refresh(s, extra_args)
-        gift_stats = _pop_gift_stats(s, state.comm_state, refresh_now, params, extra_args)
+        gift_stats = _pop_gift_stats(s, state.comm_state, refresh_now, extra_args)
         layouts = s.layouts(updates)
         comm_state, refresh_comm_state = state.comm_state, state.refresh_comm_state
         core = state._replace(comm_state=None, refresh_comm_state=None)  # lax.cond operand

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView, is_dimension_numbers
+from gift_jax.utils.tree_paths import leaf_path, matches
 
 __all__ = [
     "LowRankDimensionNumbers",
@@ -177,18 +178,20 @@ def resolve_layouts(
     return jax.tree.unflatten(treedef, layouts)
 
 
-def mask_excluding(*substrings: str) -> Callable[[Any], Any]:
-    """A mask callable: project every leaf with ``ndim >= 2`` whose path contains none of
-    ``substrings`` (case-insensitive), e.g. ``mask_excluding("embed", "lm_head")`` keeps the
-    embedding and output head dense. Leaves with more than 2 dims still need dimension numbers.
+def mask_excluding(*patterns: str) -> Callable[[Any], Any]:
+    """A mask callable: project every leaf with ``ndim >= 2`` whose path matches none of
+    ``patterns`` (the package's one pattern language, :func:`gift_jax.utils.tree_paths.matches`:
+    case-sensitive ``fnmatch`` on ``/``-joined paths, for the leaf or its module), e.g.
+    ``mask_excluding("embed/*", "lm_head/*")`` keeps the embedding and output head dense.
+    Leaves with more than 2 dims still need dimension numbers.
+
+    Patterns were case-insensitive substrings before: ``"embed"`` now selects only a leaf or
+    module whose whole path is ``embed``; write ``"embed/*"`` (or ``"*embed*"``).
     """
-    subs = tuple(s.lower() for s in substrings)
+    patterns = tuple(patterns)
 
     def mask(params):
-        def f(path, x):
-            name = jax.tree_util.keystr(path).lower()
-            return len(x.shape) >= 2 and not any(s in name for s in subs)
-
-        return jax.tree_util.tree_map_with_path(f, params)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: len(x.shape) >= 2 and not matches(leaf_path(p), patterns), params)
 
     return mask

@@ -95,7 +95,7 @@ class CommPlan:
         """The reduced-gradient norm this step recorded (``inner_state``: the chain's state
         inside :func:`~gift_jax.training.optim.skip_nonfinite`)."""
         del refresh
-        return _grad_norm_states(inner_state)[0].norm
+        return _grad_norm_state(inner_state).norm
 
     def roundtrip(self, stage: optax.GradientTransformation, grads: Any,
                   inner_state: Any) -> tuple[Any, dict | None]:
@@ -142,7 +142,7 @@ class GiftPlan(CommPlan):
         the factors of single-block layers for the whitened-frame error."""
         import gift_jax
 
-        gift_state = gift_jax.reset_error_feedback(inner_state[0])
+        gift_state = gift_jax.reset_error_feedback(optax.tree.get(inner_state, "GiftState"))
         approx, _ = stage.update(grads, gift_state)
         factors = {path: jax.tree.map(lambda x: x[0], f)
                    for path, f in gift_state.factors.items()
@@ -193,8 +193,8 @@ class PlumagePlan(CommPlan):
         from gift_jax.lowrank import find_plumage_state
 
         state = find_plumage_state(inner_state)
-        found = _grad_norm_states(state.refresh_comm_state) if refresh else []
-        return (found or _grad_norm_states(state.comm_state))[0].norm
+        found = _grad_norm_state(state.refresh_comm_state) if refresh else None
+        return (_grad_norm_state(state.comm_state) if found is None else found).norm
 
     def build(self, config, axes, schedule):
         from gift_jax.lowrank import plumage
@@ -232,9 +232,10 @@ class PlumagePlan(CommPlan):
         return tx, stage
 
 
-def _grad_norm_states(tree: Any) -> list[Any]:
-    return [s for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, GradNormState))
-            if isinstance(s, GradNormState)]
+def _grad_norm_state(tree: Any) -> GradNormState | None:
+    """The one :class:`~gift_jax.training.optim.GradNormState` in ``tree`` (found by type name
+    with ``optax.tree.get``; ``None`` when there is none, a ``KeyError`` when there are two)."""
+    return optax.tree.get(tree, GradNormState.__name__)
 
 
 def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:

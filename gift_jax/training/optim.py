@@ -15,9 +15,10 @@ PLUMAGE communicates *inside* the optimizer (it reduces the projected coordinate
 record_grad_norm(), clip)))``: clipping acts on what was reduced — the projected coordinates
 ``R = D⁻¹PᵀG`` and the dense leaves on ordinary steps (‖PR‖ = ‖R‖ for orthonormal ``P``, so this
 is the norm of the unbiased estimate ``Ĝ``) and the full gradient on refresh steps.
-With ``plumage.gift=True`` ordinary steps use ``chain(gift(all-reduce, gift.layers,
-projected_dim=plumage.rank), record_grad_norm(), clip)`` — the coordinates ``R = MᵀG`` of
-``gift.layers`` are whitened with the factor of ``MᵀAM`` — and refresh steps reduce the full
+With ``plumage.gift=True`` ordinary steps use ``chain(gift(all-reduce, gift.layers),
+record_grad_norm(), clip)`` — the coordinates ``R = MᵀG`` of ``gift.layers`` are whitened with
+the factor of ``MᵀAM`` (GIFT reads ``k = plumage.rank`` from their shapes) — and refresh steps
+reduce the full
 gradient through the plain chain (``communicate_refresh``); each PLUMAGE refresh passes the
 captured input statistics ``A`` so GIFT's factors follow the new projection ``M``.
 
@@ -40,7 +41,7 @@ from optax.contrib import MuonDimensionNumbers
 import gift_jax
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
-from gift_jax.utils.tree_paths import leaf_path, matches, path_mask
+from gift_jax.utils.tree_paths import flat_paths, leaf_path, matches, path_mask, require_matches
 
 log = logging.getLogger("gift_jax.training")
 
@@ -189,8 +190,10 @@ def dense_optimizer(config, schedule) -> optax.GradientTransformation:
 
 def projected_gift(config, stage, axes) -> optax.GradientTransformation:
     """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
-    ``gift.layers``: whitened with the factor of ``MᵀAM`` (``projected_dim=plumage.rank``),
-    rebuilt on every PLUMAGE refresh (``gift.refresh_every`` does not apply)."""
+    ``gift.layers``: whitened with the factor of ``MᵀAM``, rebuilt on every PLUMAGE refresh
+    (``gift.refresh_every`` does not apply). The rank is PLUMAGE's alone: GIFT reads ``k``
+    from the coordinates it is initialised on and the layers' input widths from PLUMAGE's
+    hook (:meth:`~gift_jax.whitening.stage.GiftState.with_input_widths`)."""
     from gift_jax.whitening.stage import gift
 
     g = config.gift
@@ -202,19 +205,21 @@ def projected_gift(config, stage, axes) -> optax.GradientTransformation:
         damping=g.damping,
         ema=g.ema,
         axis_name=axes if len(axes) > 1 else axes[0],
-        projected_dim=config.plumage.rank,
         distribute_refresh=config.comm.distribute_refresh,
         seed=config.train.seed,
     )
 
 
 def plumage_mask(layers: tuple[str, ...], rank: int):
-    """PLUMAGE's mask callable (``plumage.layers``); the first time it sees the params it
-    warns when the mask and rank project no leaf (every selected matrix has its smaller side
-    ``<= plumage.rank``): the run would silently be dense Adam with full-size communication."""
+    """PLUMAGE's mask callable (``plumage.layers``). A pattern that selects no parameter is an
+    :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError`; the first time it sees the
+    params it warns when the mask and rank project no leaf (every selected matrix has its
+    smaller side ``<= plumage.rank``): the run would silently be dense Adam with full-size
+    communication."""
     warned = []
 
     def mask(params):
+        require_matches(layers, flat_paths(params), "plumage.layers")
         tree = path_mask(params, layers)
         if not warned:
             warned.append(True)

@@ -4,8 +4,10 @@ A leaf's path is its pytree keys joined by ``/`` (``layers/3/mlp/down_proj/kerne
 trailing Flax ``Variable`` ``value`` key dropped, so a ``nnx.State``, its pure dict and an
 optax update tree name a parameter alike. Layers are selected with ``fnmatch`` patterns
 (``*`` also matches ``/``), given for the leaf or for its module: ``*/mlp/down_proj`` selects
-``layers/0/mlp/down_proj/kernel``. A pattern that selects nothing is an error of the setting
-that holds it (:func:`unmatched` finds them; callers name the setting).
+``layers/0/mlp/down_proj/kernel``. Patterns are case-sensitive and match whole paths
+(``embed/*``, not ``embed``, keeps every leaf under ``embed`` out). A pattern that selects
+nothing is an error of the setting that holds it: :func:`require_matches` raises the one
+:class:`UnmatchedPatternError` of the package, naming the setting.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ from typing import Any
 
 import jax
 
-__all__ = ["flat_paths", "join_path", "leaf_path", "matches", "path_mask", "unmatched"]
+__all__ = [
+    "UnmatchedPatternError",
+    "flat_paths",
+    "join_path",
+    "leaf_path",
+    "matches",
+    "path_mask",
+    "require_matches",
+    "unmatched",
+]
+
+#: How many available paths an :class:`UnmatchedPatternError` shows.
+_EXAMPLES = 5
 
 
 def leaf_path(path: Sequence[Any]) -> str:
@@ -44,6 +58,29 @@ def unmatched(patterns: Sequence[str], paths: Iterable[str]) -> list[str]:
     return [p for p in patterns if not any(matches(path, p) for path in paths)]
 
 
+class UnmatchedPatternError(ValueError):
+    """A layer-selection setting holds patterns that select nothing (a typo, or a model without
+    those layers). A ``ValueError``, so callers that catch those keep working."""
+
+
+def require_matches(patterns: Sequence[str], paths: Iterable[str], setting: str,
+                    examples: Iterable[str] | None = None) -> None:
+    """Raise :class:`UnmatchedPatternError` unless every pattern selects one of ``paths``.
+
+    The message is one line: the setting (e.g. ``"gift.layers"``), the unmatched patterns and
+    the first few available paths (``examples``, default ``paths``: what the user could have
+    meant), so every selection in the package reports a typo alike.
+    """
+    paths = list(paths)
+    missing = unmatched(patterns, paths)
+    if not missing:
+        return
+    shown = list(paths if examples is None else examples)
+    sample = ", ".join(shown[:_EXAMPLES]) + (", ..." if len(shown) > _EXAMPLES else "")
+    raise UnmatchedPatternError(
+        f"{setting}: pattern(s) {missing} match no path (available: {sample or 'none'})")
+
+
 def flat_paths(tree: Any) -> dict[str, Any]:
     """``{path: leaf}`` of a pytree (an ``nnx.State`` is read as its pure dict)."""
     to_pure = getattr(tree, "to_pure_dict", None)
@@ -55,3 +92,4 @@ def flat_paths(tree: Any) -> dict[str, Any]:
 def path_mask(tree: Any, patterns: Sequence[str]) -> Any:
     """Tree of bools: True where the leaf's path matches one of ``patterns``."""
     return jax.tree_util.tree_map_with_path(lambda p, _: matches(leaf_path(p), patterns), tree)
+

@@ -91,7 +91,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gift_jax.utils.tree_paths import join_path, matches
+from gift_jax.utils.tree_paths import join_path, matches, require_matches
 
 __all__ = [
     "GiftInputCount",
@@ -166,16 +166,20 @@ def _capturing_class(cls: type) -> type:
 def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nnx.Linear]:
     """``{kernel path: module}`` for the ``nnx.Linear`` modules selected by ``layers``.
 
-    Raises ``ValueError`` for a pattern that selects no module, or selects a module that is not
-    an ``nnx.Linear``.
+    Raises :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError` for a pattern that selects
+    no module, ``ValueError`` for one that selects a module that is not an ``nnx.Linear``.
     """
     if isinstance(layers, str):
         layers = (layers,)
     found: dict[str, nnx.Linear] = {}
-    hits = {pat: 0 for pat in layers}
+    candidates: list[str] = []  # every module path and its kernel path: what a pattern may name
+    linear: list[str] = []  # the kernel paths that can be captured (shown when one is missed)
     for path, module in nnx.iter_modules(model):
         mp = join_path(path)
         kernel_path = f"{mp}/kernel" if mp else "kernel"
+        candidates += [mp, kernel_path]
+        if isinstance(module, nnx.Linear):
+            linear.append(kernel_path)
         chosen = [p for p in layers if matches(mp, p) or matches(kernel_path, p)]
         if not chosen:
             continue
@@ -184,12 +188,8 @@ def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nn
                 f"capture: layers pattern(s) {chosen} select {mp!r}, a "
                 f"{type(module).__name__}; only nnx.Linear layers can be captured"
             )
-        for p in chosen:
-            hits[p] += 1
         found[kernel_path] = module
-    missing = [p for p, c in hits.items() if c == 0]
-    if missing:
-        raise ValueError(f"capture: layers pattern(s) {missing} match no nnx.Linear module")
+    require_matches(layers, candidates, "capture.layers", examples=linear)
     return found
 
 

@@ -16,7 +16,8 @@ with ``simple=True``), with a trailing ``/value`` (the pytree key of a Flax NNX 
 dropped, e.g. ``layers/3/mlp/down_proj/kernel``.  A pattern selects a leaf when
 ``fnmatch.fnmatchcase(path, pattern)`` or ``fnmatchcase(path, pattern + "/kernel")`` holds: a
 pattern names either the module (then its ``kernel`` is selected, never its bias) or the leaf
-itself.  ``*`` also matches ``/``.  A pattern that selects nothing is a ``ValueError``.
+itself.  ``*`` also matches ``/``.  A pattern that selects nothing is an
+:class:`~gift_jax.utils.tree_paths.UnmatchedPatternError` (a ``ValueError``).
 
 Dimension numbers.  A selected 2-D leaf is (in × out).  Other leaves need
 :class:`GiftDimensionNumbers` (``dimension_numbers={pattern: dims}``; same matching rule):
@@ -45,17 +46,20 @@ Before the first refresh the factor is the identity, i.e. the stage is a pass-th
 
 Projected factor (PLUMAGE composition).  When a PLUMAGE stage before GIFT sends
 R = Mᵀ·G (k × out, M = P·D⁻¹ of shape n × k) instead of G, the effective layer input is Mᵀx and
-the factor to whiten R with is MᵀAM.  Build with ``projected_dim=k`` and pass
+the factor to whiten R with is MᵀAM.  Nothing about k is passed to :func:`gift`: ``init`` sees
+only the (k × out) coordinates, so the factors are k-wide, and the projecting stage tells the
+state the layers' real input widths n through :meth:`GiftState.with_input_widths` (found by duck
+typing, no import), which sizes the statistics n × n.  A layer whose statistics are wider than
+its updates is therefore projected (a static fact of the shapes), and its refreshes take
 ``gift_projection={path: M}`` (shape ``batch + (n, k)``, identical on every replica) together
-with ``gift_stats`` on each refresh; the EMA keeps A (n×n) in the layer's own coordinates and the
-projection is applied when the factor is built, so refresh GIFT whenever the projection changes.
-``init`` sees only the (k × out) coordinates; the projecting stage tells the state the layers'
-real input widths through :meth:`GiftState.with_input_widths` (found by duck typing, no import).
+with ``gift_stats``; the EMA keeps A (n×n) in the layer's own coordinates and the projection is
+applied when the factor is built, so refresh GIFT whenever the projection changes.
 
 Error feedback in ``inner`` then lives in whitened coordinates (its buffers hold W·G residuals).
-A refresh changes W, so the stage re-expresses each replica's residual in the new frame,
-``e ← W₂W₁⁻¹e``, and zeroes the shard owners' re-quantization residuals of the whitened rows
-(they cannot be mapped locally); see :func:`_reexpress_residuals`.
+A refresh changes W, so the stage hands ``inner``'s state the change of frame ``W₂W₁⁻¹`` of the
+whitened leaves through :func:`gift_jax.comm.stage.reframe_error_feedback`: each replica's
+residual becomes ``e ← W₂W₁⁻¹e`` and the shard owners' re-quantization residuals of the
+whitened rows are zeroed (they cannot be mapped locally); GIFT never sees the buffers' layout.
 """
 
 from __future__ import annotations
@@ -66,14 +70,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from gift_jax import whitening as wh
-from gift_jax.comm.stage import AllReduceState, allreduce_axis, allreduce_spec
+from gift_jax.comm.stage import allreduce_axis, reframe_error_feedback
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
-from gift_jax.utils.tree_paths import leaf_path, matches, unmatched
+from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
 
 __all__ = [
     "GiftDimensionNumbers",
@@ -116,7 +119,12 @@ class GiftState(NamedTuple):
 
         ``init`` saw only the ``(k, out)`` coordinates, so it sized the statistics ``k × k``;
         the EMA of ``A = E[xxᵀ]`` lives in the layer's own input coordinates (``n × n``; the
-        projection ``M`` is applied when the factor is built, see ``gift_projection``)."""
+        projection ``M`` is applied when the factor is built, see ``gift_projection``).  The
+        factors keep the coordinates' width ``k``: a layer is projected exactly when its
+        statistics are wider than its updates."""
+        if self.out_stats:
+            raise ValueError("gift: two_sided whitening cannot take projected coordinates "
+                             "(its output-side factor needs the full-width gradient)")
         if set(widths) != set(self.stats):
             raise ValueError(f"gift: input widths given for {sorted(widths)}, but the stage "
                              f"whitens {sorted(self.stats)}")
@@ -157,60 +165,9 @@ def select_layers(
         dims_for = [pat for pat in dimension_numbers if matches(path, pat)]
         dims = dimension_numbers[dims_for[0]] if dims_for else None
         out[path] = _layout(path, tuple(jnp.shape(x)), dims)
-    missing = unmatched(layers, (p for p, _ in paths))
-    if missing:
-        sample = ", ".join(p for p, _ in paths[:8])
-        raise ValueError(
-            f"gift: layers pattern(s) {missing} match no parameter path (paths look like: "
-            f"{sample}{', ...' if len(paths) > 8 else ''})"
-        )
-    unused = unmatched(list(dimension_numbers), out)
-    if unused:
-        raise ValueError(f"gift: dimension_numbers pattern(s) {unused} match no selected layer")
+    require_matches(layers, (p for p, _ in paths), "gift.layers")
+    require_matches(list(dimension_numbers), out, "gift.dimension_numbers")
     return out
-
-
-def _reexpress_residuals(inner_state: Any, updates: Any, sel: Mapping[str, MatrixView],
-                         change: Any, spec: Any) -> Any:
-    """Carry the error-feedback residuals of ``inner`` across a refresh (old W → new W).
-
-    The inner all-reduce's buffers hold, for the whitened leaves, errors in the old frame
-    ``W₁·G``.  Each replica's own quantization error ``e`` (``local``, leaf-shaped) is mapped
-    exactly, ``e ← W₂·W₁⁻¹·e`` (``change`` does that per leaf), so the next step sends the
-    error it owes in the coordinates it now uses.  The shard owners' re-quantization errors
-    (``shard``, a row slice of a packed bucket that spans whole input columns of no single
-    leaf) cannot be mapped locally: their rows belonging to whitened leaves are zeroed (one
-    step's re-quantization error of those rows is dropped per refresh); without the inner
-    stage's bucket plan (``spec`` is ``None``: ``inner`` is not a bare
-    :func:`gift_jax.allreduce`) every shard residual is zeroed.
-    """
-    flat = jax.tree_util.tree_flatten_with_path(updates)[0]
-    whitened = [i for i, (p, _) in enumerate(flat) if leaf_path(p) in sel]
-
-    def fix(node):
-        if not isinstance(node, AllReduceState) or node.residuals is None:
-            return node
-        local, shard = node.residuals
-        local = jax.tree.map(lambda x: x[None], change(jax.tree.map(lambda x: x[0], local)))
-        if spec is None:
-            shard = jax.tree.map(jnp.zeros_like, shard)
-        else:
-            buckets, _ = spec.plan(updates)
-            out = []
-            for bucket, res in zip(buckets, shard, strict=True):
-                ids = bucket.row_leaf_ids()
-                keep = np.ones((bucket.rows,), bool)
-                for j, slot in enumerate(bucket.slots):
-                    if slot.leaf in whitened:
-                        keep[ids == j] = False
-                rs = res.shape[1]
-                mine = jax.lax.dynamic_slice_in_dim(
-                    jnp.asarray(keep), jax.lax.axis_index(spec.axis_name) * rs, rs)
-                out.append(jnp.where(mine[None, :, None], res, 0.0))
-            shard = tuple(out)
-        return node._replace(residuals=(local, shard))
-
-    return jax.tree.map(fix, inner_state, is_leaf=lambda x: isinstance(x, AllReduceState))
 
 
 def gift(
@@ -230,7 +187,6 @@ def gift(
     eig_oversample: int = 8,
     dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
     two_sided: bool = False,
-    projected_dim: int | None = None,
     distribute_refresh: bool = True,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -254,8 +210,6 @@ def gift(
       two_sided: also whiten the output side with E[δδᵀ] (K-FAC ablation); refreshes then
         need ``gift_output_stats={path: batch + (m, m)}`` too (both sides come from
         :func:`gift_jax.whitening.capture.kfac_value_and_grad`).
-      projected_dim: k when a PLUMAGE stage before GIFT sends (k × out) projected gradients;
-        refreshes then need ``gift_projection={path: batch + (n, k)}``.
       distribute_refresh: spread a refresh's per-layer factor builds over the replicas of
         ``axis_name`` (each builds ~1/R of the layers, the factors are all-gathered; see
         :mod:`gift_jax.utils.linalg`) instead of every replica building every factor.  The
@@ -294,22 +248,14 @@ def gift(
         raise ValueError(f"gift: eig_method must be 'eigh' or 'subspace', got {eig_method!r}")
     if eig_iters < 0 or eig_oversample < 0:
         raise ValueError("gift: eig_iters and eig_oversample must be >= 0")
-    if projected_dim is not None and not (isinstance(projected_dim, int) and projected_dim >= 1):
-        raise ValueError(f"gift: projected_dim must be None or an int >= 1, got {projected_dim!r}")
-    if projected_dim is not None and two_sided:
-        raise ValueError("gift: projected_dim and two_sided cannot be combined")
-    inner_spec = allreduce_spec(inner)
-    if inner_spec is not None and inner_spec.intra_axis is not None:
-        inner_spec = None  # hierarchical: no error feedback (see gift_jax.allreduce)
+    reduce_stage = inner  # as built: what reframe_error_feedback reads its bucket plan from
     inner = optax.with_extra_args_support(inner)
     use_basis = eig_method == "subspace" and factor.startswith("lowrank")
 
-    def width(lay: MatrixView) -> int:
-        return projected_dim if projected_dim is not None else lay.n_reduction
-
     def ident(lay: MatrixView) -> Any:
+        """The identity factor of a layer whose updates have the layout ``lay``."""
         b = lay.batch
-        left = wh.identity_factor(factor, width(lay), rank, block_size)
+        left = wh.identity_factor(factor, lay.n_reduction, rank, block_size)
         if two_sided:
             right = wh.identity_factor(factor, lay.n_output, rank, block_size)
             left = wh.KroneckerFactor(left, right)
@@ -319,7 +265,7 @@ def gift(
         sel = select_layers(params, layers, dimension_numbers)
         stats, out_stats, basis, factors = {}, {}, {}, {}
         for path, lay in sel.items():
-            b, n = lay.batch, width(lay)
+            b, n = lay.batch, lay.n_reduction
             stats[path] = jnp.zeros((b, lay.n_reduction, lay.n_reduction), jnp.float32)
             if two_sided:
                 out_stats[path] = jnp.zeros((b, lay.n_output, lay.n_output), jnp.float32)
@@ -332,19 +278,17 @@ def gift(
             out_stats=out_stats, basis=basis, factors=factors, inner_state=inner.init(params),
         )
 
-    def check_stats(name, given, sel, side):
+    def check_stats(name, given, want_shapes):
+        """``given`` as a dict, after checking its keys and shapes against ``want_shapes``."""
         if not isinstance(given, Mapping):
             raise ValueError(f"gift: {name} must be a mapping {{param path: array}}")
         given = {k: v for k, v in given.items()}
-        if set(given) != set(sel):
+        if set(given) != set(want_shapes):
             raise ValueError(
                 f"gift: {name} keys {sorted(given)} do not match the selected layers "
-                f"{sorted(sel)}"
+                f"{sorted(want_shapes)}"
             )
-        for path, lay in sel.items():
-            n = lay.n_reduction
-            d = {"in": n, "out": lay.n_output}[side] if side != "proj" else None
-            want = lay.batch_shape + ((d, d) if side != "proj" else (n, projected_dim))
+        for path, want in want_shapes.items():
             if tuple(jnp.shape(given[path])) != want:
                 raise ValueError(
                     f"gift: {name}[{path!r}] has shape {jnp.shape(given[path])}, expected {want}"
@@ -390,31 +334,41 @@ def gift(
         return f, status, None if pairs is None else pairs[0]
 
     def refresh(state, sel, gift_stats, gift_output_stats, gift_projection):
-        stats, finite = reduce_ema(check_stats("gift_stats", gift_stats, sel, "in"), state.stats)
+        """The state after a refresh; ``sel``: the layouts of this step's updates."""
+        widths = {path: state.stats[path].shape[-1] for path in sel}  # n: A's side
+        projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
+        in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
+        stats, finite = reduce_ema(check_stats("gift_stats", gift_stats, in_shapes), state.stats)
         out_stats = state.out_stats
         if two_sided:
             if gift_output_stats is None:
                 raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
             out_stats, out_finite = reduce_ema(
-                check_stats("gift_output_stats", gift_output_stats, sel, "out"), state.out_stats
+                check_stats("gift_output_stats", gift_output_stats,
+                            {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
+                state.out_stats,
             )
             finite = {p: finite[p] & out_finite[p] for p in finite}
         elif gift_output_stats is not None:
             raise ValueError("gift: gift_output_stats given but two_sided=False")
-        projs = None
-        if projected_dim is not None:
+        projs = {}
+        if projected:
             if gift_projection is None:
-                raise ValueError("gift: projected_dim is set; pass gift_projection on refreshes")
-            projs = check_stats("gift_projection", gift_projection, sel, "proj")
+                raise ValueError(
+                    f"gift: layers {projected} receive projected coordinates (statistics wider "
+                    "than their updates); pass gift_projection={path: M} on refreshes")
+            projs = check_stats("gift_projection", gift_projection, {
+                p: sel[p].batch_shape + (widths[p], sel[p].n_reduction) for p in projected})
         elif gift_projection is not None:
-            raise ValueError("gift: gift_projection given but projected_dim=None")
+            raise ValueError("gift: gift_projection given, but no layer receives projected "
+                             "coordinates (see GiftState.with_input_widths)")
         key = jax.random.fold_in(jax.random.key(seed), state.refreshes)
         jobs = {}
         for path, lay in sel.items():
             b = lay.batch
             keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), b)
-            p = None if projs is None else jnp.asarray(projs[path], jnp.float32).reshape(
-                b, lay.n_reduction, projected_dim)
+            p = None if path not in projs else jnp.asarray(projs[path], jnp.float32).reshape(
+                b, widths[path], lay.n_reduction)
             bas = state.basis.get(path)
             if bas is not None:  # first refresh: no previous basis → random start
                 bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
@@ -457,27 +411,14 @@ def gift(
         gift_projection=None, **extra_args,
     ):
         sel = select_layers(updates, layers, dimension_numbers)
-        if projected_dim is not None:
-            for path, lay in sel.items():
-                if lay.n_reduction != projected_dim:
-                    raise ValueError(
-                        f"gift: update of {path!r} has input width {lay.n_reduction}, expected "
-                        f"projected_dim={projected_dim}"
-                    )
         if gift_stats is not None:
-            if projected_dim is not None:  # stats/projections are in the params' coordinates
-                sel_stats = select_layers(params, layers, dimension_numbers) if params is not None \
-                    else None
-                if sel_stats is None:
-                    raise ValueError("gift: projected_dim needs params on refresh steps")
-            else:
-                sel_stats = sel
             old_factors = state.factors
-            state = refresh(state, sel_stats, gift_stats, gift_output_stats, gift_projection)
+            state = refresh(state, sel, gift_stats, gift_output_stats, gift_projection)
             change = lambda t, old=old_factors, new=state.factors: transform(
                 transform(t, sel, old, wh.unwhiten), sel, new, wh.whiten)
-            state = state._replace(inner_state=_reexpress_residuals(
-                state.inner_state, updates, sel, change, inner_spec))
+            moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
+            state = state._replace(inner_state=reframe_error_feedback(
+                state.inner_state, reduce_stage, updates, change, moved))
         elif gift_output_stats is not None or gift_projection is not None:
             raise ValueError("gift: gift_output_stats/gift_projection need gift_stats")
         else:

@@ -40,9 +40,9 @@ from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import LlamaConfig, param_shapes
 from gift_jax.training.config import complete_config, load_config
 from gift_jax.training.loop import Trainer
-from gift_jax.training.optim import learning_rate_schedule
+from gift_jax.training.optim import DENSE_PATTERNS, learning_rate_schedule
 from gift_jax.utils.timing import interleaved_times
-from gift_jax.utils.tree_paths import leaf_path
+from gift_jax.utils.tree_paths import leaf_path, matches
 
 __all__ = [
     "METHODS",
@@ -74,8 +74,6 @@ _STRATEGY = {
 }
 #: The layers every low-rank method projects (attention and MLP kernels; GaLore's targets).
 PROJECTED_PATTERNS = ("*/attn/*_proj", "*/mlp/*_proj")
-#: Substrings of the parameter paths kept dense (embedding and output head).
-DENSE_SUBSTRINGS = ("embed", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +141,9 @@ class CompareSettings:
 
 
 def dense_mask() -> Callable[[Any], Any]:
-    """Projection mask: every ≥2-D leaf except the embedding and the output head."""
-    return mask_excluding(*DENSE_SUBSTRINGS)
+    """Projection mask: every ≥2-D leaf except the embedding and the output head (the
+    trainer's :data:`~gift_jax.training.optim.DENSE_PATTERNS`)."""
+    return mask_excluding(*DENSE_PATTERNS)
 
 
 def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
@@ -229,8 +228,7 @@ def optax_galore(rank: int, refresh_every: int, scale: float, lr: float = 1.0, b
 
     def dims(params):
         def f(path, x):
-            name = leaf_path(path).lower()
-            dense = x.ndim != 2 or any(d in name for d in DENSE_SUBSTRINGS)
+            dense = x.ndim != 2 or matches(leaf_path(path), DENSE_PATTERNS)
             return None if dense else optax.contrib.GaLoreDimensionNumbers(0, 1)
 
         return jax.tree_util.tree_map_with_path(f, params)

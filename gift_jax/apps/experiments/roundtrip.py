@@ -282,6 +282,17 @@ def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str =
 
     ``scales`` (R,) overrides the senders' scales (e.g. stale synced scales); ``local_err`` /
     ``shard_err`` are the error-feedback buffers of the previous step (or None).
+
+    A deliberately independent oracle of the *reduction*, sharing the *element math*: every
+    quantization is the codecs' own (:func:`tensor_scale`, :func:`tensor_quantize` call
+    ``abs_max``, ``leaf_scale_from_amax``, ``encode_rows`` and ``decode_rows`` of
+    :mod:`gift_jax.comm.codecs`), while the reduction is written out on one device without
+    buckets, shards or collectives: the mean is re-quantized as one tensor (the collective
+    scales each shard), and the FP8 ring is a plain loop over replicas. So it checks the
+    collectives' structure rather than repeating it, and the figures of docs/gift_results.md
+    do not depend on the bucket layout. ``tests/test_experiments_gift.py`` compares it with
+    :func:`gift_jax.quantized_psum` in ``jax.shard_map`` (``global_scale=True``, both
+    ``accumulate`` modes): equal up to the fp32 summation order.
     """
     if accumulate not in ("fp32", "fp8"):
         raise ValueError(f"accumulate must be 'fp32' or 'fp8', got {accumulate!r}")
