@@ -33,10 +33,17 @@ import numpy as np
 
 from gift_jax.models import LlamaConfig, count_params
 from gift_jax.training.checkpoint import Checkpointer
-from gift_jax.training.config import ConfigError, complete_config, validate_config
+from gift_jax.training.config import (
+    ConfigError,
+    complete_config,
+    nothing_to_communicate,
+    validate_config,
+    validate_layer_patterns,
+)
 from gift_jax.training.mesh import make_mesh
 from gift_jax.training.metrics import MetricsWriter, Progress
 from gift_jax.training.program import Program, program_for
+from gift_jax.utils.tree_paths import flat_paths
 
 log = logging.getLogger("gift_jax.training")
 
@@ -284,17 +291,42 @@ def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *, r
     return config, workdir
 
 
+def _parameter_paths(model_config: LlamaConfig) -> list[str]:
+    """The model's parameter paths (``layers/0/mlp/down_proj/kernel``), from abstract shapes:
+    nothing is allocated or compiled."""
+    from flax import nnx
+
+    from gift_jax.models import Llama
+
+    abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
+    return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
+
+
+def _warn_if_nothing_to_communicate(config: ml_collections.ConfigDict,
+                                    num_devices: int) -> None:
+    """Logs a warning when a run on one data-parallel device asks for a codec or method
+    (:func:`~gift_jax.training.config.nothing_to_communicate`): it would otherwise finish
+    with wire bytes 0 and look like a comparison it is not."""
+    warning = nothing_to_communicate(config, num_devices)
+    if warning is not None:
+        log.warning(warning)
+
+
 def _setup(config: ml_collections.ConfigDict, workdir: str | None, *, resume: bool,
            data: str | None, data_dir: str | None, batches: BatchFn | None,
            eval_split: str | None, stop_after: int | None,
            compiler_options: dict[str, Any] | None) -> _Run:
-    """Everything before the first step: validates the config, builds the mesh and the
-    cached compiled program, initialises or restores the state (refusing a workdir with
-    checkpoints unless ``resume``), compiles every step variant and reads its wire bytes,
-    loads the evaluation batches and opens the metrics writer."""
+    """Everything before the first step: validates the config (``gift.layers`` against the
+    model's parameter paths too, before anything is written to disk), warns when a
+    single-device run asks for communication it cannot have, builds the mesh and the cached
+    compiled program, initialises or restores the state (refusing a workdir with checkpoints
+    unless ``resume``), compiles every step variant and reads its wire bytes, loads the
+    evaluation batches and opens the metrics writer."""
     config, workdir = _resolve_config(config, workdir, resume=resume, data=data)
     num_devices = jax.device_count()
     model_config = LlamaConfig.from_mapping(config.model)
+    validate_layer_patterns(config, _parameter_paths(model_config))
+    _warn_if_nothing_to_communicate(config, num_devices)
     splits: tuple[str, ...] = ("train", "validation")
     if batches is None:
         batches, vocab, splits = data_batches(config.data.source, data_dir)
