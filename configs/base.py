@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     opt.name = "adamw"  # "adamw" | "muon"
     opt.learning_rate = 3e-3  # peak learning rate (after warmup)
     opt.final_learning_rate = 3e-4  # learning rate at the end of the decay
-    opt.warmup_steps = 30  # linear warmup from 0 to the peak
+    opt.warmup_steps = 30  # linear warmup from 0 to the peak (< train.num_steps)
     opt.schedule = "cosine"  # decay after warmup: "cosine" | "linear" | "constant"
     opt.weight_decay = 0.0  # decoupled weight decay
     opt.b1 = 0.9  # Adam first-moment decay

@@ -1,6 +1,6 @@
 """The demo: the tiny Llama trained on 8 simulated devices with fp32, Euclidean FP8, GIFT-FP8
 and PLUMAGE communication from the same seed; prints a comparison table and writes the
-loss-curve PNG.
+loss-curve PNG (with a panel of each mode's loss difference to fp32).
 
     python scripts/demo.py                         # runs/demo/, 100 steps per mode
     python scripts/demo.py --steps 60 --modes fp32,fp8
@@ -9,13 +9,13 @@ loss-curve PNG.
 import argparse
 import os
 import pathlib
-import sys
-
-if "jax" not in sys.modules:  # simulate 8 data-parallel devices on the CPU
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
 def main(argv=None):
+    from gift_jax.utils.cpu_devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)  # 8 data-parallel devices on a CPU host (XLA_FLAGS may say more)
+
     from gift_jax.apps.demo import DEMO_MODES, format_table, run_demo
     from gift_jax.apps.plotting import plot_runs
 
@@ -31,7 +31,7 @@ def main(argv=None):
     tiny = pathlib.Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
     rows = run_demo(args.out, tiny, args.steps, modes, args.data, args.data_dir)
     png = plot_runs({r["mode"]: r["workdir"] for r in rows}, os.path.join(args.out, "loss.png"),
-                    title=f"tiny Llama, 8 devices, {args.steps} steps")
+                    title=f"tiny Llama, 8 devices, {args.steps} steps", reference="fp32")
     print()
     print(format_table(rows))
     print(f"\nloss curves: {png}")

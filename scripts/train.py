@@ -9,7 +9,10 @@ Any config field can be overridden with ``--config.<group>.<field>=<value>``; co
 gift | plumage). Multi-host: pass
 ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (or set
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process.
-Bad settings end with one ``error:`` line naming the setting and what is allowed.
+On a CPU host the run is data-parallel over ``--cpu_devices`` simulated devices (8, as the
+demo; an ``XLA_FLAGS`` setting ``--xla_force_host_platform_device_count`` wins): on one device
+there is nothing to communicate. Bad settings end with one ``error:`` line naming the setting
+and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
+#: What Ctrl-C reports when it stopped the run before the trainer could write a checkpoint.
+NOT_SAVED = ("interrupted with no checkpoint written by this run (before the first step, or by "
+             "a second Ctrl-C)")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
@@ -36,6 +54,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--cpu_devices", type=_positive, default=8,
+                        help="simulated data-parallel devices when JAX runs on the CPU "
+                             "(default 8; ignored on GPU/TPU and when XLA_FLAGS sets "
+                             "--xla_force_host_platform_device_count)")
     args, rest = parser.parse_known_args(argv)
     overrides: list[tuple[str, str]] = []
     i = 0
@@ -64,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
+    # "Unable to initialize backend 'tpu'" on every run without a TPU
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+    from gift_jax.utils.cpu_devices import simulate_cpu_devices
+
+    simulate_cpu_devices(args.cpu_devices)
 
     from gift_jax.training import TrainingStalledError, initialize_distributed
     from gift_jax.training.config import (
@@ -98,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        print(f"stopped: {str(e) or NOT_SAVED}", file=sys.stderr)
         return 130
     return 0
 

@@ -260,6 +260,21 @@ def test_tfrecord_preparation_is_refused(tmp_path, data_dir):
         get_source("tfds:lm1b", data_dir=str(tmp_path))
 
 
+def test_local_preparation_says_local_not_downloading(tmp_path, capsys, caplog):
+    """A corpus built from local files is not announced as a download."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}\n", encoding="utf-8")
+    with caplog.at_level("INFO", logger="gift_jax.data.builder"):
+        builder.prepare(builder.text_dir_config(str(corpus)), str(tmp_path / "tfds"))
+    captured = capsys.readouterr()
+    assert "Downloading and preparing" not in captured.out + captured.err
+    assert "downloaded and prepared" not in captured.out + captured.err
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("locally (no download)" in m and "gift_text/text_corpus_" in m for m in messages)
+
+
 def test_no_tensorflow_imported():
     """Building, reading and batching above never imported TensorFlow."""
     assert "tensorflow" not in sys.modules

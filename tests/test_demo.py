@@ -29,7 +29,7 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     (row,) = rows
     assert row["mode"] == "fp8" and 0.24 < row["wire_vs_fp32"] < 0.27
     assert 0 < row["eval_loss"] < 6 and 0 < row["roundtrip_rel_l2"] < 0.1
-    assert "| fp8 |" in format_table(rows)
+    assert "| fp8 (e4m3, per tensor) |" in format_table(rows)
     png = plot_runs({"fp8": row["workdir"]}, tmp_path / "loss.png")
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):

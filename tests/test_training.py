@@ -306,7 +306,7 @@ def test_overrides_and_script_errors(capsys, tmp_path):
     assert out.gift.layers == ("*/mlp/up_proj",)
     with pytest.raises(ConfigError, match="unknown config field 'comm.moode'"):
         apply_overrides(config, [("comm.moode", "fp8")])
-    with pytest.raises(ConfigError, match=r"--config.train.num_steps='x': expected a int"):
+    with pytest.raises(ConfigError, match=r"--config.train.num_steps='x': expected an int"):
         apply_overrides(config, [("train.num_steps", "x")])
     script = runpy.run_path(str(ROOT / "scripts" / "train.py"))
     for args, needle in [

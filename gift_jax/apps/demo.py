@@ -5,14 +5,16 @@ A demo mode is a label for a ``(comm.codec, comm.method)`` pair (:data:`DEMO_SET
 low-precision modes use the config file's codec when it sets a low-precision one (``tiny``
 does not: FP8 e4m3).
 
-Columns: final eval loss; wire bytes per step relative to the fp32 all-reduce (from each run's
-compiled HLO); the one-step round-trip error of the run's reduction against the fp32 mean at
-the last diagnostic step (relative L2 in the Euclidean frame, and in the whitened frame where
-the run has GIFT factors).
+Columns: the mode with its settings (:func:`describe_mode`); final eval loss; wire bytes per
+step relative to the fp32 all-reduce (from each run's compiled HLO); the one-step round-trip
+error of the run's reduction against the fp32 mean at the last diagnostic step (relative L2 in
+the Euclidean frame, and in the whitened frame where the run has GIFT factors). A cell without
+a value (no whitened frame) reads ``–``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import shutil
@@ -46,10 +48,35 @@ def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     every = max(1, steps // 4)
     return apply_overrides(config, [
         ("comm.codec", codec), ("comm.method", method), ("train.num_steps", str(steps)),
-        ("optimizer.warmup_steps", str(max(1, steps // 10))),
+        ("optimizer.warmup_steps", str(min(max(1, steps // 10), steps - 1))),
         ("train.eval_every", str(every)), ("train.log_every", str(max(1, steps // 20))),
         ("train.checkpoint_every", "0"), ("train.diagnostics_every", str(every)),
     ])
+
+
+#: Short names of the codecs in a mode's description (others are written as they are).
+_WIRE_NAMES = {"fp8_e4m3": "FP8", "fp8_e5m2": "FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4",
+               "bf16": "BF16", "fp32": "FP32"}
+
+
+def describe_mode(mode: str, config) -> str:
+    """The table's label of demo mode ``mode`` run with ``config``: the mode and the settings
+    that define it, e.g. ``fp8 (e4m3, per tensor)``, ``gift_fp8 (rank 32, K = 50)``,
+    ``plumage (rank 32, τ = 50, FP8 wire)``."""
+    comm = config.comm
+    if comm.method == "gift":
+        details = [f"rank {config.gift.rank}", f"K = {config.gift.refresh_every}"]
+    elif comm.method == "plumage":
+        details = [f"rank {config.plumage.rank}", f"τ = {config.plumage.refresh_every}",
+                   f"{_WIRE_NAMES.get(comm.codec, comm.codec)} wire"]
+    elif comm.codec in ("fp8_e4m3", "fp8_e5m2"):
+        scales = (f"blocks of {comm.block_size}" if comm.scaling == "block" else "per tensor")
+        details = [comm.codec.removeprefix("fp8_"), scales]
+    elif comm.codec != mode:
+        details = [comm.codec]
+    else:
+        details = []
+    return f"{mode} ({', '.join(details)})" if details else mode
 
 
 #: What a trainer workdir holds; a demo rerun replaces a workdir made only of these.
@@ -88,12 +115,13 @@ def run_demo(out_dir: str | os.PathLike, config_file: str | os.PathLike, steps: 
     for mode in modes:
         workdir = pathlib.Path(out_dir) / mode
         _fresh_workdir(workdir)
-        result = train(demo_config(mode, steps, config_file), str(workdir), data=data,
-                       data_dir=data_dir, show_progress=show_progress,
-                       compiler_options=compiler_options)
+        config = demo_config(mode, steps, config_file)
+        result = train(config, str(workdir), data=data, data_dir=data_dir,
+                       show_progress=show_progress, compiler_options=compiler_options)
         s, h = result.summary, result.history
         rows.append({
             "mode": mode,
+            "label": describe_mode(mode, config),
             "eval_loss": s["eval_loss"],
             "final_train_loss": s["final_loss"],
             "wire_vs_fp32": s["wire_bytes_per_step_mean"] / s["wire_fp32_reference"],
@@ -105,11 +133,25 @@ def run_demo(out_dir: str | os.PathLike, config_file: str | os.PathLike, steps: 
     return rows
 
 
+#: A table cell without a value (e.g. the whitened-frame error of a run without GIFT).
+MISSING = "–"
+
+
+def _cell(value, spec: str) -> str:
+    """``value`` formatted with ``spec``, or :data:`MISSING` for ``None``/NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return MISSING
+    return format(value, spec)
+
+
 def format_table(rows: list[dict]) -> str:
+    """The Markdown comparison table of :func:`run_demo`'s rows (the README's demo table)."""
+    columns = [("eval_loss", ".4f"), ("final_train_loss", ".4f"), ("wire_vs_fp32", ".3f"),
+               ("roundtrip_rel_l2", ".2e"), ("roundtrip_whitened", ".2e"),
+               ("tokens_per_s", ".0f")]
     lines = ["| mode | eval loss | train loss | wire bytes / fp32 | round-trip rel. L2 | "
              "whitened rel. L2 | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['eval_loss']:.4f} | {r['final_train_loss']:.4f} | "
-                     f"{r['wire_vs_fp32']:.3f} | {r['roundtrip_rel_l2']:.2e} | "
-                     f"{r['roundtrip_whitened']:.2e} | {r['tokens_per_s']:.0f} |")
+        cells = [r.get("label", r["mode"])] + [_cell(r.get(k), spec) for k, spec in columns]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,10 +1,18 @@
-"""Loss curves of several runs in one PNG (used by ``scripts/plot.py`` and the demo)."""
+"""Loss curves of several runs in one PNG (used by ``scripts/plot.py`` and the demo).
+
+Runs are ``(label, workdir)`` pairs: two workdirs with the same folder name (``a/fp8`` and
+``b/fp8``) are both drawn, labelled by the shortest path suffix that tells them apart
+(:func:`path_labels`). With a ``reference`` run (the demo's fp32) a second panel shows each
+other run's loss minus the reference's, smoothed: curves that lie on top of each other in the
+first panel differ there, which is the effect of the wire format.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
@@ -16,20 +24,85 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_runs(workdirs: dict[str, str | os.PathLike], out_png: str | os.PathLike,
-              title: str = "") -> pathlib.Path:
-    """Train (solid) and eval (markers) loss against step, one colour per run."""
+def unique_labels(labels: Sequence[str]) -> list[str]:
+    """``labels`` with repeats numbered (``fp8``, ``fp8 (2)``), so no run is dropped."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return out
+
+
+def path_labels(workdirs: Sequence[str | os.PathLike]) -> list[str]:
+    """A label per workdir: the shortest suffix of its path (in folders) that no other
+    workdir shares (``a/fp8``, ``b/fp8`` for two runs named ``fp8``; the folder name alone
+    when it is unique). The same directory given twice is numbered (:func:`unique_labels`)."""
+    parts = [pathlib.Path(os.path.abspath(w)).parts for w in workdirs]
+    labels = []
+    for i, mine in enumerate(parts):
+        others = [p for j, p in enumerate(parts) if j != i and p != mine]
+        k = 1
+        while k < len(mine) and any(p[-k:] == mine[-k:] for p in others):
+            k += 1
+        labels.append(str(pathlib.PurePath(*mine[-k:])))
+    return unique_labels(labels)
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Centred moving average over ``window`` points (fewer at the ends)."""
+    half = max(window, 1) // 2
+    n = len(values)
+    out = []
+    for i in range(n):
+        chunk = values[max(0, i - half): min(n, i + half + 1)]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def difference_to(reference: Sequence[tuple[int, float]],
+                  run: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``(step, run loss − reference loss)`` at the steps both runs logged."""
+    ref = dict(reference)
+    return [(step, value - ref[step]) for step, value in run if step in ref]
+
+
+def _series(records: Iterable[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if key in r]
+
+
+def plot_runs(runs: Mapping[str, str | os.PathLike] | Sequence[tuple[str, str | os.PathLike]],
+              out_png: str | os.PathLike, title: str = "",
+              reference: str | None = None, smooth_window: int = 5) -> pathlib.Path:
+    """Train (solid) and eval (markers) loss against step, one colour per run.
+
+    Args:
+      runs: ``{label: workdir}`` or ``(label, workdir)`` pairs (repeated labels are numbered).
+      out_png: the PNG written.
+      title: the figure's title.
+      reference: the label of a run to compare with: a second panel draws every other run's
+        train loss minus the reference's (centred moving average over ``smooth_window`` log
+        points) and eval loss difference (markers). Ignored when no run has that label.
+      smooth_window: points of the moving average of the difference panel.
+
+    Raises:
+      FileNotFoundError: a workdir without ``metrics.jsonl`` (checked before drawing).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (label, workdir) in enumerate(workdirs.items()):
-        records = read_metrics(workdir)
+    pairs = list(runs.items()) if isinstance(runs, Mapping) else list(runs)
+    labels = unique_labels([label for label, _ in pairs])
+    records = [read_metrics(workdir) for _, workdir in pairs]
+    ref = labels.index(reference) if reference in labels else None
+    panels = 1 if ref is None or len(labels) < 2 else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 4.5 * panels), squeeze=False)
+    ax = axes[0, 0]
+    for i, (label, recs) in enumerate(zip(labels, records, strict=True)):
         color = f"C{i}"
-        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        evals = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
+        train, evals = _series(recs, "loss"), _series(recs, "eval/loss")
         if train:
             ax.plot(*zip(*train, strict=True), color=color, lw=1.2, label=f"{label} train")
         if evals:
@@ -40,9 +113,36 @@ def plot_runs(workdirs: dict[str, str | os.PathLike], out_png: str | os.PathLike
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if panels == 2:
+        _difference_panel(axes[1, 0], labels, records, ref, smooth_window)
     out = pathlib.Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def _difference_panel(ax, labels: list[str], records: list[list[dict]], ref: int,
+                      window: int) -> None:
+    """Each run's loss minus the reference run's: smoothed train (solid), eval (markers)."""
+    ref_train, ref_eval = _series(records[ref], "loss"), _series(records[ref], "eval/loss")
+    for i, (label, recs) in enumerate(zip(labels, records, strict=True)):
+        if i == ref:
+            continue
+        color = f"C{i}"
+        train = difference_to(ref_train, _series(recs, "loss"))
+        evals = difference_to(ref_eval, _series(recs, "eval/loss"))
+        if train:
+            steps, diffs = zip(*train, strict=True)
+            ax.plot(steps, smooth(diffs, window), color=color, lw=1.2,
+                    label=f"{label} train (moving average of {window})")
+        if evals:
+            ax.plot(*zip(*evals, strict=True), color=color, ls="none", marker="o", ms=4,
+                    label=f"{label} eval")
+    ax.axhline(0.0, color=f"C{ref}", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss − {labels[ref]} loss (nats)")
+    ax.set_title(f"difference to {labels[ref]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

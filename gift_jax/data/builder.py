@@ -34,6 +34,7 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 
 from gift_jax.data.errors import DataError
+
+log = logging.getLogger(__name__)
 
 BUILDER_NAME = "gift_text"
 VERSION = "1.0.0"
@@ -111,6 +114,16 @@ class GiftText(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self, docs):
         for key, (doc_id, text) in enumerate(docs):
             yield key, {"id": doc_id, "text": text}
+
+    def _log_download_bytes(self) -> None:
+        """Says what happens instead of TFDS's "Downloading and preparing dataset ..." line:
+        nothing is downloaded, the corpus is built from local files."""
+        log.info("preparing %s/%s locally (no download) in %s", self.name,
+                 self.builder_config.name, self.data_dir)
+
+    def _log_download_done(self) -> None:
+        """Replaces TFDS's "downloaded and prepared" line (nothing was downloaded)."""
+        log.info("prepared %s/%s in %s", self.name, self.builder_config.name, self.data_dir)
 
 
 def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, str]:

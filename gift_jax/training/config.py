@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
+import numbers
 import os
 import pathlib
 import runpy
@@ -28,6 +30,8 @@ from typing import Any
 import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES
+from gift_jax.models import LlamaConfig
+from gift_jax.utils.tree_paths import unmatched
 
 #: ``comm.codec`` values (the all-reduce's wire format).
 CODECS = CODEC_NAMES
@@ -163,6 +167,11 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
 # ---- command-line overrides -----------------------------------------------------------------
 
 
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article (``an int``, ``a float``)."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _parse_value(text: str, current: Any, name: str) -> Any:
     """``text`` converted to the type of the field's current value."""
     if isinstance(current, bool):
@@ -179,8 +188,10 @@ def _parse_value(text: str, current: Any, name: str) -> Any:
     except (ValueError, SyntaxError):
         if current is None:
             return text
+        if isinstance(current, tuple | list):  # a bare string: one pattern, one name
+            return (text,)
         raise ConfigError(
-            f"--config.{name}={text!r}: expected a {type(current).__name__}"
+            f"--config.{name}={text!r}: expected {_a(type(current).__name__)}"
         ) from None
     if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -190,8 +201,8 @@ def _parse_value(text: str, current: Any, name: str) -> Any:
         value = tuple(value)
     if current is not None and not isinstance(value, type(current)):
         raise ConfigError(
-            f"--config.{name}={text!r}: expected a {type(current).__name__}, "
-            f"got a {type(value).__name__}"
+            f"--config.{name}={text!r}: expected {_a(type(current).__name__)}, "
+            f"got {_a(type(value).__name__)}"
         )
     return value
 
@@ -249,6 +260,83 @@ def _get(config, name: str) -> Any:
     return node
 
 
+def _range_text(low: float, low_open: bool, high: float | None, high_open: bool) -> str:
+    """``> 0``, ``>= 0`` or ``in [0, 1)``: the allowed range in one phrase."""
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def _number(config, name: str, *, low: float, low_open: bool = False,
+            high: float | None = None, high_open: bool = False) -> float:
+    """The setting ``name`` as a float; a :class:`ConfigError` unless it is a finite number in
+    the range (``inf`` from ``1e400``, NaN and bools are refused)."""
+    value = _get(config, name)
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value)
+          and (value > low if low_open else value >= low)
+          and (high is None or (value < high if high_open else value <= high)))
+    if not ok:
+        raise ConfigError(f"{name}={value!r} must be a finite number "
+                          f"{_range_text(low, low_open, high, high_open)}")
+    return float(value)
+
+
+def _bool(config, name: str) -> None:
+    value = _get(config, name)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be a bool (true/false)")
+
+
+def _validate_optimizer(config) -> None:
+    """The optimizer and its schedule: a positive finite peak learning rate, a final rate in
+    ``[0, learning_rate]`` (unless the schedule is constant), a warmup shorter than the run,
+    Adam's decays in ``[0, 1)``, a positive epsilon, non-negative weight decay and clipping,
+    and Muon's momentum and scale when Muon runs. A negative rate would train uphill and an
+    infinite one would skip every step, both silently."""
+    opt = "optimizer"
+    peak = _number(config, f"{opt}.learning_rate", low=0, low_open=True)
+    final = _number(config, f"{opt}.final_learning_rate", low=0)
+    if config.optimizer.schedule != "constant" and final > peak:
+        raise ConfigError(
+            f"optimizer.final_learning_rate={final:g} must be <= optimizer.learning_rate="
+            f"{peak:g} (the {config.optimizer.schedule} schedule decays from the peak to it)")
+    _positive_int(config, f"{opt}.warmup_steps", minimum=0)
+    warmup, steps = config.optimizer.warmup_steps, config.train.num_steps
+    if warmup >= steps:
+        raise ConfigError(
+            f"optimizer.warmup_steps={warmup} must be < train.num_steps={steps} (the warmup "
+            "would end after the run, never reaching optimizer.learning_rate)")
+    for name in ("b1", "b2"):
+        _number(config, f"{opt}.{name}", low=0, high=1, high_open=True)
+    _number(config, f"{opt}.eps", low=0, low_open=True)
+    _number(config, f"{opt}.weight_decay", low=0)
+    _number(config, f"{opt}.grad_clip_norm", low=0)
+    if config.optimizer.name == "muon":
+        _number(config, f"{opt}.momentum", low=0, high=1, high_open=True)
+        _bool(config, f"{opt}.nesterov")
+        _number(config, f"{opt}.muon_extra_scale_factor", low=0, low_open=True)
+
+
+def _validate_model(config) -> None:
+    """``model.*`` as :class:`~gift_jax.models.LlamaConfig` checks them (``num_heads``
+    dividing ``d_model``, positive sizes, known dtypes), reported as the config's settings."""
+    try:
+        LlamaConfig.from_mapping(config.model)
+    except (ValueError, TypeError) as e:
+        message = str(e).replace("LlamaConfig.", "model.").replace("LlamaConfig", "model")
+        raise ConfigError(message.rstrip(".")) from None
+
+
+def _validate_gift_numbers(config) -> None:
+    """GIFT's remainder, rank, damping (> 0: the floor of the factor's remainder) and EMA
+    decay (in ``[0, 1)``)."""
+    _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
+    _positive_int(config, "gift.rank")
+    _number(config, "gift.damping", low=0, low_open=True)
+    _number(config, "gift.ema", low=0, high=1, high_open=True)
+
+
 def _validate_plumage_gift(config) -> None:
     """``plumage.gift``: GIFT whitening of PLUMAGE's projected coordinates, with the
     ``gift.*`` settings (its factors refresh with the projection, every
@@ -258,8 +346,7 @@ def _validate_plumage_gift(config) -> None:
         raise ConfigError(f"plumage.gift={use!r} must be a bool (true/false)")
     if not use:
         return
-    _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
-    _positive_int(config, "gift.rank")
+    _validate_gift_numbers(config)
     if not tuple(config.gift.layers):
         raise ConfigError("gift.layers=() must name at least one layer when plumage.gift=True")
     if config.gift.get("two_sided", False):
@@ -289,6 +376,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         _choice(config, "plumage.projector", PROJECTORS)
         _positive_int(config, "plumage.rank")
         _positive_int(config, "plumage.refresh_every")
+        _number(config, "plumage.scale", low=0, low_open=True)
         if config.optimizer.name != "adamw":
             raise ConfigError(
                 f"optimizer.name={config.optimizer.name!r} cannot be combined with "
@@ -296,8 +384,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             )
         _validate_plumage_gift(config)
     if method == "gift":
-        _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
-        _positive_int(config, "gift.rank")
+        _validate_gift_numbers(config)
         _positive_int(config, "gift.refresh_every")
         if not isinstance(config.gift.two_sided, bool):
             raise ConfigError(
@@ -312,8 +399,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
                  "train.grad_accum_steps", "train.log_every", "mesh.intra_size"):
         _positive_int(config, name)
     for name in ("train.eval_every", "train.eval_batches", "train.checkpoint_every",
-                 "train.diagnostics_every", "train.max_consecutive_skips",
-                 "optimizer.warmup_steps"):
+                 "train.diagnostics_every", "train.max_consecutive_skips", "train.seed",
+                 "data.shuffle_seed"):
         _positive_int(config, name, minimum=0)
     _positive_int(config, "train.keep_checkpoints")
     fraction = config.train.skip_warning_fraction
@@ -322,6 +409,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         raise ConfigError(
             f"train.skip_warning_fraction={fraction!r} must be a number in [0, 1) (the share of "
             "a logged window's steps that may be skipped before a warning)")
+    _validate_optimizer(config)
+    _validate_model(config)
     intra = config.mesh.intra_size
     if num_devices % intra:
         raise ConfigError(
@@ -352,6 +441,49 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"train.seq_len={config.train.seq_len} exceeds model.max_seq_len="
             f"{config.model.max_seq_len}"
         )
+
+
+def gift_runs(config: ml_collections.ConfigDict) -> bool:
+    """Whether the run whitens ``gift.layers`` (``comm.method='gift'``, or PLUMAGE with
+    ``plumage.gift``)."""
+    method = config.comm.method
+    return method == "gift" or (method == "plumage" and config.plumage.get("gift", False) is True)
+
+
+def validate_layer_patterns(config: ml_collections.ConfigDict,
+                            param_paths: Iterable[str]) -> None:
+    """Checks that every ``gift.layers`` pattern selects a parameter of the model (whose
+    parameter paths are ``param_paths``, e.g. ``layers/0/mlp/down_proj/kernel``) when GIFT
+    runs. The trainer calls it before anything is written to disk, so a typo in a pattern
+    ends the run with one line instead of an error inside the optimizer's initialisation.
+
+    Raises:
+      ConfigError: naming the patterns that match nothing and showing what paths look like.
+    """
+    if not gift_runs(config):
+        return
+    paths = list(param_paths)
+    missing = unmatched(tuple(config.gift.layers), paths)
+    if missing:
+        sample = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+        raise ConfigError(
+            f"gift.layers pattern(s) {', '.join(map(repr, missing))} match no parameter of the "
+            f"model; allowed: fnmatch patterns of parameter or module paths such as "
+            f"'*/mlp/down_proj' (paths look like: {sample})")
+
+
+def nothing_to_communicate(config: ml_collections.ConfigDict, num_devices: int) -> str | None:
+    """The warning for a run that asks for low-precision or method-shaped communication on a
+    data-parallel size of 1, where no all-reduce happens (wire bytes 0, and the codec and
+    method change nothing a multi-device run would see); ``None`` otherwise."""
+    codec, method = config.comm.codec, config.comm.method
+    if num_devices > 1 or (codec == "fp32" and method == "none"):
+        return None
+    return (
+        f"comm.codec={codec!r} comm.method={method!r} on a data-parallel size of 1: there is "
+        "nothing to communicate (wire bytes 0), so this run does not show the effect of the "
+        "wire format; run on several devices (on CPU: --cpu_devices 8, or XLA_FLAGS="
+        "--xla_force_host_platform_device_count=8)")
 
 
 # ---- comparison (resume) --------------------------------------------------------------------

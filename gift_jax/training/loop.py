@@ -34,11 +34,18 @@ import numpy as np
 
 from gift_jax.models import LlamaConfig, count_params
 from gift_jax.training.checkpoint import Checkpointer
-from gift_jax.training.config import ConfigError, complete_config, validate_config
+from gift_jax.training.config import (
+    ConfigError,
+    complete_config,
+    nothing_to_communicate,
+    validate_config,
+    validate_layer_patterns,
+)
 from gift_jax.training.mesh import make_mesh
 from gift_jax.training.metrics import MetricsWriter, Progress
 from gift_jax.training.program import program_for
 from gift_jax.utils.timing import Stopwatch
+from gift_jax.utils.tree_paths import flat_paths
 
 log = logging.getLogger("gift_jax.training")
 
@@ -158,6 +165,17 @@ def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
     return config, workdir
 
 
+def _parameter_paths(model_config: LlamaConfig) -> list[str]:
+    """The model's parameter paths (``layers/0/mlp/down_proj/kernel``), from abstract shapes:
+    nothing is allocated or compiled."""
+    from flax import nnx
+
+    from gift_jax.models import Llama
+
+    abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
+    return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
+
+
 def _read_summary(workdir: str | None) -> dict[str, Any] | None:
     path = os.path.join(workdir, "summary.json") if workdir else None
     if path and os.path.exists(path):
@@ -214,6 +232,11 @@ class Trainer:
         self.config, self.workdir = config, workdir
         tc = config.train
         model_config = LlamaConfig.from_mapping(config.model)
+        # gift.layers against the model's paths, before anything is written to disk
+        validate_layer_patterns(config, _parameter_paths(model_config))
+        warning = nothing_to_communicate(config, len(devices))
+        if warning is not None:  # wire bytes 0 would look like a comparison it is not
+            log.warning(warning)
         splits: tuple[str, ...] = ("train", "validation")
         if batches is None:
             batches, vocab, splits = data_batches(config.data.source, data_dir)

@@ -1,0 +1,195 @@
+"""What a user meets before the first step: every numeric setting checked with one line naming
+it and the allowed range, ``gift.layers`` and ``model.*`` checked before anything is written,
+the one-device warning, and the one-line endings of ``scripts/train.py``.
+
+Nothing here compiles a train step (the end-to-end runs are in ``test_training.py``)."""
+
+import logging
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from gift_jax.training import ConfigError, apply_overrides, complete_config, validate_config
+from gift_jax.training.config import (
+    load_config,
+    nothing_to_communicate,
+    validate_layer_patterns,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.py")
+
+
+def tiny(**overrides):
+    """The tiny config with ``--config.<name>=<text>`` overrides."""
+    return apply_overrides(complete_config(load_config(TINY)), list(overrides.items()))
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"optimizer.learning_rate": "-1e-3"},
+      r"^optimizer\.learning_rate=-0\.001 must be a finite number > 0$"),
+     ({"optimizer.learning_rate": "1e400"},
+      r"^optimizer\.learning_rate=inf must be a finite number > 0$"),
+     ({"optimizer.learning_rate": "0"}, r"optimizer\.learning_rate=0\.0 must be"),
+     ({"optimizer.final_learning_rate": "-1e-4"},
+      r"optimizer\.final_learning_rate=-0\.0001 must be a finite number >= 0"),
+     ({"optimizer.final_learning_rate": "1e-2"},
+      r"optimizer\.final_learning_rate=0\.01 must be <= optimizer\.learning_rate=0\.003"),
+     ({"optimizer.warmup_steps": "300"},
+      r"optimizer\.warmup_steps=300 must be < train\.num_steps=300"),
+     ({"optimizer.warmup_steps": "-1"}, r"optimizer\.warmup_steps=-1 must be an int >= 0"),
+     ({"optimizer.b1": "1.0"}, r"optimizer\.b1=1\.0 must be a finite number in \[0, 1\)"),
+     ({"optimizer.b2": "-0.1"}, r"optimizer\.b2=-0\.1 must be a finite number in \[0, 1\)"),
+     ({"optimizer.eps": "0"}, r"optimizer\.eps=0\.0 must be a finite number > 0"),
+     ({"optimizer.weight_decay": "-0.1"}, r"optimizer\.weight_decay=-0\.1 must be"),
+     ({"optimizer.grad_clip_norm": "1e400"}, r"optimizer\.grad_clip_norm=inf must be a finite"),
+     ({"optimizer.name": "muon", "optimizer.momentum": "1.5"},
+      r"optimizer\.momentum=1\.5 must be a finite number in \[0, 1\)"),
+     ({"optimizer.name": "muon", "optimizer.muon_extra_scale_factor": "0"},
+      r"optimizer\.muon_extra_scale_factor=0\.0 must be a finite number > 0"),
+     ({"comm.method": "gift", "gift.damping": "0"}, r"gift\.damping=0\.0 must be"),
+     ({"comm.method": "gift", "gift.ema": "1"}, r"gift\.ema=1\.0 must be a finite number in"),
+     ({"comm.method": "plumage", "plumage.scale": "-1"}, r"plumage\.scale=-1\.0 must be"),
+     ({"train.seed": "-1"}, r"train\.seed=-1 must be an int >= 0"),
+     ({"model.num_heads": "3"}, r"^model\.num_heads must divide d_model=128, got num_heads=3$"),
+     ({"model.dtype": "float8"}, r"^model\.dtype must be one of")],
+)
+def test_bad_numbers_name_the_setting_and_the_range(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        validate_config(tiny(**overrides), 8)
+    assert "\n" not in str(info.value)
+
+
+def test_good_numbers_pass():
+    validate_config(tiny(), 8)
+    # a constant schedule ignores final_learning_rate; Muon's settings only matter for Muon
+    validate_config(tiny(**{"optimizer.schedule": "constant",
+                            "optimizer.final_learning_rate": "1.0",
+                            "optimizer.momentum": "2.0"}), 8)
+    validate_config(tiny(**{"optimizer.warmup_steps": "0", "optimizer.grad_clip_norm": "0",
+                            "train.num_steps": "1"}), 8)
+
+
+def test_override_type_errors_read_as_english():
+    with pytest.raises(ConfigError, match=r"--config\.train\.num_steps='x': expected an int$"):
+        tiny(**{"train.num_steps": "x"})
+    with pytest.raises(ConfigError, match=r"expected a float, got a str"):
+        tiny(**{"optimizer.learning_rate": "'fast'"})
+
+
+PATHS = ["embed/embedding", "layers/0/attn/q_proj/kernel", "layers/0/mlp/down_proj/kernel"]
+
+
+def test_gift_layers_that_match_nothing_name_the_setting():
+    with pytest.raises(ConfigError, match=r"^gift\.layers pattern\(s\) '\*/nope' match no "
+                                          r"parameter of the model; allowed: fnmatch") as info:
+        validate_layer_patterns(tiny(**{"comm.method": "gift", "gift.layers": "*/nope"}), PATHS)
+    assert "layers/0/mlp/down_proj/kernel" in str(info.value)
+    validate_layer_patterns(tiny(**{"comm.method": "gift"}), PATHS)  # */mlp/down_proj
+    validate_layer_patterns(tiny(**{"gift.layers": "*/nope"}), PATHS)  # GIFT does not run
+    with pytest.raises(ConfigError, match="gift.layers"):  # GIFT inside PLUMAGE
+        validate_layer_patterns(tiny(**{"comm.method": "plumage", "plumage.gift": "true",
+                                        "gift.layers": "*/nope"}), PATHS)
+
+
+def test_one_device_run_warns_that_nothing_is_communicated(caplog):
+    from gift_jax.training.loop import _warn_if_nothing_to_communicate
+
+    assert nothing_to_communicate(tiny(), 1) is None  # fp32 + none: nothing was asked for
+    assert nothing_to_communicate(tiny(**{"comm.codec": "fp8_e4m3"}), 8) is None
+    with caplog.at_level(logging.WARNING, logger="gift_jax.training"):
+        _warn_if_nothing_to_communicate(tiny(**{"comm.codec": "fp8_e4m3",
+                                                "comm.method": "gift"}), 1)
+        _warn_if_nothing_to_communicate(tiny(**{"comm.method": "plumage"}), 1)
+        _warn_if_nothing_to_communicate(tiny(**{"comm.codec": "bf16"}), 2)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 2
+    assert "comm.codec='fp8_e4m3' comm.method='gift' on a data-parallel size of 1" in messages[0]
+    assert "nothing to communicate" in messages[1] and "--cpu_devices" in messages[1]
+
+
+# ---- scripts/train.py -----------------------------------------------------------------------
+
+
+@pytest.fixture()
+def train_script():
+    return runpy.run_path(str(ROOT / "scripts" / "train.py"))["main"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--config.comm.method=gift", "--config.gift.layers=*/nope"],
+      "gift.layers pattern(s) '*/nope' match no parameter"),
+     (["--config.model.num_heads=3"], "model.num_heads must divide d_model=128"),
+     (["--config.optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001 must be"),
+     (["--config.optimizer.learning_rate=1e400"], "optimizer.learning_rate=inf must be")],
+)
+def test_train_script_ends_with_one_line_and_writes_nothing(train_script, capsys, tmp_path,
+                                                            args, needle):
+    workdir = tmp_path / "run"
+    rc = train_script(["--config", TINY, "--workdir", str(workdir), "--no_progress", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+    assert not workdir.exists()  # validated before the checkpoint directory is created
+
+
+def test_train_script_config_file_without_get_config(train_script, capsys, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    rc = train_script(["--config", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"error: config file {str(bad)!r} defines no get_config()"]
+
+
+def test_ctrl_c_before_the_first_step_says_so(train_script, capsys, monkeypatch):
+    import gift_jax.training
+
+    def interrupted_while_compiling(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gift_jax.training, "train", interrupted_while_compiling)
+    rc = train_script(["--config", TINY, "--no_progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 130
+    assert err == ("stopped: interrupted with no checkpoint written by this run (before the "
+                   "first step, or by a second Ctrl-C)")
+
+
+def test_train_script_quiets_the_missing_tpu_message(train_script, capsys):
+    logger, root = logging.getLogger("jax._src.xla_bridge"), logging.getLogger()
+    before = logger.level, root.level
+    root.setLevel(logging.INFO)  # what the script's basicConfig does outside pytest
+    try:
+        train_script(["--config", TINY, "--config.comm.method=int4"])
+        capsys.readouterr()
+        assert not logger.isEnabledFor(logging.INFO)
+        assert logging.getLogger("gift_jax.training").isEnabledFor(logging.INFO)
+    finally:
+        logger.setLevel(before[0])
+        root.setLevel(before[1])
+
+
+def _script_stderr(*args: str) -> str:
+    """stderr of ``scripts/train.py`` run in a fresh process without the tests' XLA_FLAGS."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY,
+                           *args], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.slow  # two fresh Python processes importing JAX
+def test_train_script_simulates_cpu_devices_unless_told_otherwise():
+    # a batch of 12 cannot be split over the 8 simulated devices: the error names the count
+    err = _script_stderr("--config.train.global_batch_size=12")
+    assert "data-parallel size 8 (number of devices)" in err
+    assert "Unable to initialize backend" not in err
+    err = _script_stderr("--cpu_devices", "3")
+    assert "data-parallel size 3 (number of devices)" in err
