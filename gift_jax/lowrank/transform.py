@@ -745,15 +745,20 @@ def plumage(
 
 
 def find_plumage_state(opt_state: Any) -> PlumageState:
-    """The (first) :class:`PlumageState` inside a possibly nested optimizer state."""
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, PlumageState))
-        if isinstance(s, PlumageState)
-    ]
-    if not found:
+    """The :class:`PlumageState` inside a possibly nested optimizer state, found by type
+    (``optax.tree.get``), not by position.
+
+    Raises:
+      ValueError: there is none, or more than one (a chain with two PLUMAGE stages must pick
+        its state itself).
+    """
+    try:
+        state = optax.tree.get(opt_state, PlumageState.__name__)
+    except KeyError as e:
+        raise ValueError(f"more than one PlumageState in the optimizer state: {e}") from e
+    if state is None:
         raise ValueError("no PlumageState found in the optimizer state")
-    return found[0]
+    return state
 
 
 def refresh_due(opt_state: Any) -> jax.Array:
