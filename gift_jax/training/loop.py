@@ -176,6 +176,16 @@ def _parameter_paths(model_config: LlamaConfig) -> list[str]:
     return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
 
 
+def _warn_if_nothing_to_communicate(config: ml_collections.ConfigDict,
+                                    num_devices: int) -> None:
+    """Logs a warning when a run on one data-parallel device asks for a codec or method
+    (:func:`~gift_jax.training.config.nothing_to_communicate`): it would otherwise finish
+    with wire bytes 0 and look like a comparison it is not."""
+    warning = nothing_to_communicate(config, num_devices)
+    if warning is not None:
+        log.warning(warning)
+
+
 def _read_summary(workdir: str | None) -> dict[str, Any] | None:
     path = os.path.join(workdir, "summary.json") if workdir else None
     if path and os.path.exists(path):
@@ -234,9 +244,7 @@ class Trainer:
         model_config = LlamaConfig.from_mapping(config.model)
         # gift.layers against the model's paths, before anything is written to disk
         validate_layer_patterns(config, _parameter_paths(model_config))
-        warning = nothing_to_communicate(config, len(devices))
-        if warning is not None:  # wire bytes 0 would look like a comparison it is not
-            log.warning(warning)
+        _warn_if_nothing_to_communicate(config, len(devices))
         splits: tuple[str, ...] = ("train", "validation")
         if batches is None:
             batches, vocab, splits = data_batches(config.data.source, data_dir)
