@@ -104,7 +104,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ------------------------------------------------------------------ data
     data = config.data = ml_collections.ConfigDict()
-    data.source = "shakespeare"  # corpus; "shakespeare" is bundled (byte-level tokens)
+    data.source = "shakespeare"  # corpus; "shakespeare" is bundled
+    # "byte" | "PATH.model" (SentencePiece) | "PATH/tokenizer.json" (Hugging Face) |
+    # "spm:N" / "bpe:N" (trained on the train split); model.vocab_size = N padded to 128
+    data.tokenizer = "byte"
     data.shuffle_seed = 0  # seed of the example order
 
     return config

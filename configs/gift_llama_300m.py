@@ -4,6 +4,9 @@
 "300M" counts the blocks (302,433,280); the untied embedding and head add 2 × 50304 × 1024.
 Vocabulary 50304: the GPT-2 tokenizer (50257) padded to a multiple of 128, as Megatron's
 OpenWebText runs do (the artifact's exact padding is not stated; this is the Megatron default).
+``data.tokenizer`` trains a GPT-2-style byte-level BPE of 50257 ids on the train split (pass
+GPT-2's ``tokenizer.json`` instead to use the original; the bundled Shakespeare is too small for
+50257 merges, so train it on a larger corpus, e.g. ``--data tfds:openwebtext``).
 Optimizer: Muon, lr 5e-4, momentum 0.9, spectral scaling with extra factor 0.2, global batch
 512, 6000 warmup steps, cosine to 5e-5 over 60000 steps. The artifact's hard-coded GIFT layer
 list is for the 600M model; here every MLP down-projection is a candidate (the profiler picks).
@@ -39,6 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.momentum = 0.9  # Muon momentum
     config.optimizer.muon_scale_mode = "spectral"  # artifact setting
     config.optimizer.muon_extra_scale_factor = 0.2  # artifact setting
+
+    config.data.tokenizer = "bpe:50257"  # GPT-2-sized BPE trained on the train split
 
     config.train.global_batch_size = 512  # sequences per step
     config.train.seq_len = 4096  # tokens per sequence (2.1M tokens per step)

@@ -4,8 +4,9 @@
 untied head, RMSNorm eps 1e-6, sequences of 256 tokens. GaLore-AdamW: lr 0.01, galore scale
 0.25, rank 128, projection refresh every 200 steps, weight decay 0, global batch 512, 1000
 warmup steps, cosine to 0.1 × lr over 10000 steps. This file is also the recipe that
-llama_130m/350m/1b override. The papers train on C4; ``data.source`` keeps the bundled corpus
-until a C4 source is configured.
+llama_130m/350m/1b override. The papers train on C4 with the T5 tokenizer; ``data.source`` keeps
+the bundled corpus until a C4 source is configured (``--data tfds:c4/en``), and
+``data.tokenizer`` trains a 32000-piece SentencePiece on it (or pass the T5/LLaMA ``.model``).
 """
 
 import pathlib
@@ -37,6 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.b2 = 0.999  # GaLore's AdamW default betas (0.9, 0.999)
     config.optimizer.eps = 1e-6  # GaLore's AdamW default eps
     config.optimizer.grad_clip_norm = 0.0  # GaLore scripts do not clip below 7B
+
+    config.data.tokenizer = "spm:32000"  # SentencePiece trained on the train split
 
     config.train.global_batch_size = 512  # sequences per step
     config.train.seq_len = 256  # tokens per sequence (131k tokens per step)

@@ -6,7 +6,9 @@
 
 Any config field can be overridden with ``--config.<group>.<field>=<value>``; communication is
 ``comm.codec`` (fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4) + ``comm.method`` (none |
-gift | plumage). Multi-host: pass
+gift | plumage). ``--tokenizer`` sets ``data.tokenizer``: ``byte``, a SentencePiece ``PATH.model``,
+a Hugging Face ``PATH/tokenizer.json``, or ``spm:N`` / ``bpe:N`` trained on the train split
+(``model.vocab_size`` must be its vocabulary padded to a multiple of 128). Multi-host: pass
 ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (or set
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process.
 On a CPU host the run is data-parallel over ``--cpu_devices`` simulated devices (8, as the
@@ -43,6 +45,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     parser.add_argument("--workdir", default=None, help="checkpoints, metrics, summary")
     parser.add_argument("--data", default=None, help="corpus spec (default: data.source)")
     parser.add_argument("--data_dir", default=None, help="where the corpus lives")
+    parser.add_argument("--tokenizer", default=None,
+                        help="data.tokenizer: byte | PATH.model | PATH/tokenizer.json | spm:N | "
+                             "bpe:N (default: the config's)")
     parser.add_argument("--resume", nargs="?", const="yes", default="no",
                         choices=("yes", "auto", "no"),
                         help="continue from the last checkpoint (an error if there is none); "
@@ -72,6 +77,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
             value, i = rest[i + 1], i + 1
         overrides.append((name, value))
         i += 1
+    if args.tokenizer is not None:
+        overrides.append(("data.tokenizer", args.tokenizer))
     return args, overrides
 
 

@@ -1,6 +1,7 @@
 """Smoke test of the communication benchmark's library functions (scripts/bench_comm.py)."""
 
 import jax
+import pytest
 
 from gift_jax.apps.bench import quantize_throughput, wire_table
 from gift_jax.models import LlamaConfig, param_shapes
@@ -38,3 +39,33 @@ def test_device_check_script_smoke(tmp_path):
         assert check["quantize_bitwise_equal"] and check["quantize_stochastic_bitwise_equal"]
         assert check["accumulate_bitwise_equal"], check
         assert "quantize_pallas_fraction_of_hbm" not in check  # no bandwidth claims on CPU
+
+
+@pytest.mark.slow  # compiles a train step: about 30 s on 2 shared cores
+def test_bench_data_script_smoke(tmp_path):
+    """scripts/bench_data.py on a small text directory: pipeline, tokenize and train-step
+    tokens/s of the byte tokenizer and a trained SentencePiece."""
+    import json
+    import pathlib
+    import runpy
+
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("tensorflow_datasets")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "thou art the king of all this land and i the fool who follows thee".split()
+    for i in range(4):
+        lines = (" ".join(words[(i + j) % len(words):] + words[:j % 5]) for j in range(400))
+        (corpus / f"{i}.txt").write_text("\n".join(lines))
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_data.py"
+    runpy.run_path(str(script))["main"]([
+        "--config", "tiny", "--data", f"text:{corpus}", "--data_dir", str(tmp_path / "dd"),
+        "--tokenizers", "byte,spm:300", "--batches", "2", "--repeats", "1",
+        "--set", "model.num_layers=1", "--set", "train.seq_len=32",
+        "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "bench_data.json").read_text())
+    assert [r["tokenizer"] for r in report["rows"]] == ["byte", "spm:300"]
+    assert [r["vocab"] for r in report["rows"]] == [256, 300]
+    for r in report["rows"]:
+        assert r["pipeline_tokens_per_s"] > 0 and r["tokenize_tokens_per_s"] > 0
+    assert report["train_step"]["tokens_per_s"] > 0

@@ -16,6 +16,11 @@ records (the offsets are then cached as ``.npy`` under ``index_dir``).
 * ``text:DIR`` -- the text files under ``DIR``, prepared by the same builder;
 * ``tfds:NAME[:VERSION]`` -- a TFDS dataset already prepared in ArrayRecord format under
   ``data_dir`` (e.g. ``tfds:c4/en:3.1.0`` or ``tfds:lm1b``), read with ``tfds.data_source``.
+
+With ``tokenizer`` other than ``"byte"`` (:mod:`gift_jax.data.tokenizer`), ``get_source``
+returns a :class:`~gift_jax.data.tokenized.TokenizedSource` over the same documents: trained
+tokenizers and tokenized streams are cached in ``DATA_DIR/gift_tokenizers/<corpus>/``
+(:func:`artifact_dir`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class TokenSource:
         ``tf.train.Example`` bytes, as read by ``tfds.data_source`` with
         ``deserialize_method=RAW_BYTES``; parsed with TFDS's vendored protos, about 4x faster
         than TFDS's per-feature NumPy decoding and still free of TensorFlow).
+      data_dir: the directory the corpus is prepared in (tokenizer artifacts go under it).
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -67,10 +73,12 @@ class TokenSource:
         index_dir: str | None = None,
         cache_key: str | None = None,
         record_format: str = "plain",
+        data_dir: str | None = None,
     ):
         if record_format not in ("plain", "tf_example"):
             raise DataError(f"record_format={record_format!r}; allowed: 'plain', 'tf_example'")
         self._record_format = record_format
+        self.data_dir = data_dir
         self.name = name
         self.text_field = text_field
         self._splits = dict(splits)
@@ -92,6 +100,12 @@ class TokenSource:
     def num_tokens(self, split: str) -> int:
         """Length of the token stream of ``split`` (documents plus one separator each)."""
         return int(self._index(split)[-1])
+
+    def documents(self, split: str, start: int = 0, stop: int | None = None) -> list[bytes]:
+        """The UTF-8 text of documents ``[start, stop)`` of ``split``, in record order."""
+        records = self._records(split)
+        stop = len(records) if stop is None else min(stop, len(records))
+        return self._fetch(records, range(start, stop))
 
     def read(self, split: str, starts, length: int) -> np.ndarray:
         """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start."""
@@ -210,14 +224,35 @@ def get_source(
     *,
     text_field: str = "text",
     index_dir: str | None = None,
-) -> TokenSource:
+    tokenizer: str = "byte",
+):
     """Returns the :class:`TokenSource` of a ``--data`` setting (see the module docstring).
 
     ``data_dir`` is where the local builder prepares ``shakespeare`` and ``text:DIR`` (default
     ``~/.cache/gift_jax/tfds``) and where ``tfds:`` datasets are looked up (default
     ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``). ``text_field`` names the record field
-    holding the text of ``tfds:`` datasets. Every bad setting raises :class:`DataError`.
+    holding the text of ``tfds:`` datasets. ``tokenizer`` is a ``data.tokenizer`` value; other
+    than ``"byte"`` the result is a :class:`~gift_jax.data.tokenized.TokenizedSource`. Every
+    bad setting raises :class:`DataError`.
     """
+    source = _byte_source(spec, data_dir, text_field, index_dir)
+    if tokenizer == "byte":
+        return source
+    from gift_jax.data.tokenized import TokenizedSource
+    from gift_jax.data.tokenizer import get_tokenizer
+
+    cache_dir = artifact_dir(source)
+    return TokenizedSource(source, get_tokenizer(tokenizer, source, cache_dir), cache_dir)
+
+
+def artifact_dir(source: TokenSource) -> str:
+    """``DATA_DIR/gift_tokenizers/<corpus>``: trained tokenizers and token streams of a corpus
+    prepared under ``DATA_DIR``."""
+    slug = "".join(c if c.isalnum() or c in "-." else "_" for c in source.name)
+    return os.path.join(source.data_dir, "gift_tokenizers", slug)
+
+
+def _byte_source(spec, data_dir, text_field, index_dir) -> TokenSource:
     scheme, _, arg = spec.partition(":")
     if scheme == "shakespeare" and not arg:
         from gift_jax.data import builder
@@ -244,6 +279,7 @@ def _from_builder(config, data_dir, index_dir) -> TokenSource:
         index_dir=index_dir,
         cache_key=os.path.join(data_dir, name),
         record_format="tf_example",
+        data_dir=data_dir,
     )
 
 
@@ -275,6 +311,7 @@ def _from_tfds(arg: str, data_dir, text_field, index_dir) -> TokenSource:
         index_dir=index_dir,
         cache_key=version_dir,
         record_format="tf_example",
+        data_dir=data_dir,
     )
 
 

@@ -75,6 +75,9 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     "plumage": {
         "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
     },
+    "data": {
+        "tokenizer": "byte",  # byte | PATH.model | PATH/tokenizer.json | spm:N | bpe:N
+    },
 }
 
 #: Fields that may differ between a checkpoint and the run resuming it (cadence and output).
@@ -356,6 +359,17 @@ def _validate_plumage_gift(config) -> None:
         )
 
 
+def _validate_tokenizer(config) -> None:
+    """``data.tokenizer`` has one of the forms of :data:`gift_jax.data.tokenizer.TOKENIZER_HELP`
+    (its vocabulary is checked against ``model.vocab_size`` where the trainer uses the data
+    pipeline)."""
+    from gift_jax.data.tokenizer import TOKENIZER_HELP, parse_tokenizer
+
+    value = config.data.get("tokenizer", "byte")
+    if parse_tokenizer(value) is None:
+        raise ConfigError(f"data.tokenizer={value!r} is not supported; allowed: {TOKENIZER_HELP}")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices.
 
@@ -371,6 +385,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     _choice(config, "optimizer.muon_scale_mode", MUON_SCALE_MODES)
     _choice(config, "comm.scaling", SCALINGS)
     _choice(config, "comm.intra_codec", CODEC_NAMES)
+    _validate_tokenizer(config)
     method = config.comm.method
     if method == "plumage":
         _choice(config, "plumage.projector", PROJECTORS)

@@ -67,11 +67,13 @@ class TrainResult:
     summary: dict[str, Any]  # end-of-run summary
 
 
-def data_batches(spec: str, data_dir: str | None = None) -> tuple[BatchFn, int, tuple[str, ...]]:
-    """``(batches, vocab_size, splits)`` of a :mod:`gift_jax.data` source (``--data``)."""
+def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
+                 ) -> tuple[BatchFn, int, tuple[str, ...]]:
+    """``(batches, vocab_size, splits)`` of a :mod:`gift_jax.data` source (``--data``) under
+    ``data.tokenizer`` ``tokenizer``."""
     from gift_jax.data import batch_iterator, get_source
 
-    source = get_source(spec=spec, data_dir=data_dir)
+    source = get_source(spec=spec, data_dir=data_dir, tokenizer=tokenizer)
 
     def batches(split, global_batch, seq_len, **kwargs):
         return batch_iterator(source, split, global_batch, seq_len, **kwargs)
@@ -247,11 +249,13 @@ class Trainer:
         _warn_if_nothing_to_communicate(config, len(devices))
         splits: tuple[str, ...] = ("train", "validation")
         if batches is None:
-            batches, vocab, splits = data_batches(config.data.source, data_dir)
-            if vocab > model_config.vocab_size:
-                raise ConfigError(
-                    f"model.vocab_size={model_config.vocab_size} is smaller than the vocabulary "
-                    f"of data {config.data.source!r} ({vocab})")
+            from gift_jax.data import vocab_mismatch
+
+            mismatch = vocab_mismatch(model_config.vocab_size, config.data.tokenizer)
+            if mismatch:  # before the corpus or the tokenizer is prepared on disk
+                raise ConfigError(mismatch)
+            batches, _, splits = data_batches(config.data.source, data_dir,
+                                              config.data.tokenizer)
         if eval_split is None:
             eval_split = next((s for s in ("validation", "test") if s in splits), None)
         self.batches = batches

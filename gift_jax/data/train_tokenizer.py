@@ -1,0 +1,144 @@
+"""Training a tokenizer on a corpus's train split (``data.tokenizer=spm:N`` / ``bpe:N``).
+
+As flax's lm1b example does, a run with no tokenizer file trains one on its own training data,
+so nothing is downloaded. Two kinds, each the open-source counterpart of a paper tokenizer:
+
+* ``spm`` -- SentencePiece BPE with byte fallback, identity normalization and split digits,
+  the settings of the LLaMA tokenizer (32000 in the GaLore/PLUMAGE configs). Newlines and
+  every other character survive ``decode(encode(text))``.
+* ``bpe`` -- a ``tokenizers`` byte-level BPE with ``<|endoftext|>``, as GPT-2's (50257, padded
+  to 50304 in the GIFT configs).
+
+Bounded: the model is trained on the first ``max_chars`` characters of the train split, in
+record order (:func:`training_texts`; a whole corpus such as C4 is never read for it).
+Deterministic: one thread, no input sampling or shuffling, so the same corpus prefix gives the
+same model file byte for byte. Cached: :func:`trained_tokenizer` writes the model once under
+``cache_dir`` (next to the prepared data), named by corpus, kind, vocabulary and ``max_chars``
+(:func:`trained_path`); concurrent processes serialize on a lock file and later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Iterator
+
+from gift_jax.data.errors import DataError
+from gift_jax.data.tokenizer import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    require_package,
+)
+
+log = logging.getLogger(__name__)
+
+#: Characters of the train split a tokenizer is trained on (about 20 MB of text).
+MAX_TRAIN_CHARS = 20_000_000
+#: Bump when the training settings change, so cached models are not reused across versions.
+TRAINER_VERSION = 1
+#: SentencePiece skips training lines longer than this many bytes.
+_MAX_LINE_BYTES = 16384
+_CHUNK_DOCS = 256
+
+
+def training_texts(source, max_chars: int = MAX_TRAIN_CHARS, split: str = "train"
+                   ) -> Iterator[str]:
+    """The documents of ``split`` in record order, cut off after ``max_chars`` characters."""
+    left = max_chars
+    n = source.num_docs(split)
+    for lo in range(0, n, _CHUNK_DOCS):
+        for doc in source.documents(split, lo, min(n, lo + _CHUNK_DOCS)):
+            text = doc.decode("utf-8", errors="replace")[:left]
+            left -= len(text)
+            yield text
+            if left <= 0:
+                return
+
+
+def train_sentencepiece(texts: Iterator[str], vocab_size: int) -> bytes:
+    """The ``.model`` bytes of a LLaMA-style SentencePiece BPE of ``vocab_size`` pieces.
+
+    Lines (with their newline) are the training sentences; ``<unk>``, ``<s>``, ``</s>`` are
+    ids 0, 1, 2 and the 256 byte pieces follow.
+    """
+    spm = require_package("sentencepiece", f"spm:{vocab_size}")
+    lines = (line for text in texts for line in text.splitlines(keepends=True) if line.strip())
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines, model_writer=model, vocab_size=vocab_size,
+            model_type="bpe", byte_fallback=True, split_digits=True,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True, character_coverage=0.9995,
+            max_sentence_length=_MAX_LINE_BYTES, input_sentence_size=0,
+            shuffle_input_sentence=False, num_threads=1, minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (32000) ... <= 21048"
+        raise DataError(f"data.tokenizer=spm:{vocab_size}: SentencePiece training failed: "
+                        f"{str(e).splitlines()[-1]}") from None
+    return model.getvalue()
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int) -> str:
+    """The ``tokenizer.json`` text of a GPT-2-style byte-level BPE of exactly ``vocab_size``
+    ids (the 256 bytes, ``<|endoftext|>`` and merges); a corpus too small for that many
+    merges raises :class:`DataError` with the size it supports."""
+    tokenizers = require_package("tokenizers", f"bpe:{vocab_size}")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got != vocab_size:
+        raise DataError(
+            f"data.tokenizer=bpe:{vocab_size}: the training text yields only {got} BPE ids; "
+            f"use bpe:{got} (or fewer) or a larger corpus"
+        )
+    return tok.to_str()
+
+
+def trained_path(cache_dir: str, corpus: str, kind: str, vocab_size: int,
+                 max_chars: int = MAX_TRAIN_CHARS) -> str:
+    """Where the ``kind`` (``spm``/``bpe``) tokenizer of ``corpus`` is cached."""
+    key = f"{corpus}|{kind}|{vocab_size}|{max_chars}|v{TRAINER_VERSION}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    suffix = ".model" if kind == "spm" else ".tokenizer.json"
+    return os.path.join(cache_dir, f"{kind}_{vocab_size}_{digest}{suffix}")
+
+
+def trained_tokenizer(source, kind: str, vocab_size: int, cache_dir: str,
+                      max_chars: int = MAX_TRAIN_CHARS) -> Tokenizer:
+    """The ``spm``/``bpe`` tokenizer of ``vocab_size`` ids trained on ``source``'s train split,
+    loaded from ``cache_dir`` or trained once and written there."""
+    path = trained_path(cache_dir, source.name, kind, vocab_size, max_chars)
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, ".train.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.exists(path):
+                log.info("training a %s tokenizer of %d ids on %s/train", kind, vocab_size,
+                         source.name)
+                texts = training_texts(source, max_chars)
+                if kind == "spm":
+                    data = train_sentencepiece(texts, vocab_size)
+                else:
+                    data = train_bpe(texts, vocab_size).encode("utf-8")
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    if kind == "spm":
+        return SentencePieceTokenizer.from_file(path)
+    return HFTokenizer.from_file(path)
