@@ -161,7 +161,8 @@ class Trainer:
         if self._source is None:
             from gift_jax.data import get_source
 
-            self._source = get_source(self.config.data.source)
+            self._source = get_source(self.config.data.source,
+                                      tokenizer=self.config.data.tokenizer)
         return self._source
 
     def batch(self, global_batch: int, step: int, stream: int = 0) -> np.ndarray:
