@@ -186,6 +186,7 @@ def test_trainer_runs_with_spm_trained_on_shakespeare(tmp_path):
         ("model.vocab_size", "512"), ("model.d_model", "32"), ("model.num_layers", "1"),
         ("model.num_heads", "2"), ("model.d_ff", "64"), ("model.max_seq_len", "32"),
         ("train.seq_len", "32"), ("train.global_batch_size", "8"), ("train.num_steps", "4"),
+        ("optimizer.warmup_steps", "1"),
         ("train.log_every", "1"), ("train.eval_every", "4"), ("train.eval_batches", "1"),
         ("train.diagnostics_every", "0"), ("data.tokenizer", "spm:512")])
     fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
