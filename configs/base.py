@@ -92,6 +92,10 @@ def get_config() -> ml_collections.ConfigDict:
     gift.ema = 0.95  # EMA decay of A across refreshes
     gift.remainder = "diagonal"  # remainder of A beyond rank r: "diagonal" | "isotropic"
     gift.two_sided = False  # also whiten the output side with B = E[g gᵀ] (two-sided K-FAC)
+    # per-layer routing on refreshes: whiten a layer only where its measured FP8 round trip is
+    # better in this frame: "optimizer" (adam for AdamW, muon for Muon) | "adam" | "muon" |
+    # "whitened" | "euclidean" | "off" (always whiten: the paper's GIFT, configs predating it)
+    gift.route_frame = "optimizer"
 
     # ------------------------------------------------------------------ PLUMAGE low-rank gradients
     plumage = config.plumage = ml_collections.ConfigDict()

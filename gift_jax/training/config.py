@@ -51,6 +51,9 @@ SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
 PROJECTORS = ("plumage", "galore", "flora")
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
+#: ``gift.route_frame`` values: :data:`gift_jax.whitening.stage.ROUTE_FRAMES` plus
+#: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
+GIFT_ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon", "optimizer")
 MUON_SCALE_MODES = ("spectral", "shape")
 
 #: Settings the trainer adds when a config file does not define them.
@@ -71,6 +74,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "gift": {
         "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
+        "route_frame": "off",  # per-layer routing by measured round trip; off: always whiten
     },
     "plumage": {
         "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
@@ -401,6 +405,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     if method == "gift":
         _validate_gift_numbers(config)
         _positive_int(config, "gift.refresh_every")
+        _choice(config, "gift.route_frame", GIFT_ROUTE_FRAMES)
         if not isinstance(config.gift.two_sided, bool):
             raise ConfigError(
                 f"gift.two_sided={config.gift.two_sided!r} must be a bool (true/false)")

@@ -91,6 +91,11 @@ class CommPlan:
                 kwargs["gift_stats"] = stats
         return kwargs
 
+    def state_metrics(self, opt_state: Any) -> dict[str, float]:
+        """Metrics read from the optimizer state for the diagnostics record (``{}``)."""
+        del opt_state
+        return {}
+
     def grad_norm(self, inner_state: Any, refresh: bool) -> jax.Array:
         """The reduced-gradient norm this step recorded (``inner_state``: the chain's state
         inside :func:`~gift_jax.training.optim.skip_nonfinite`)."""
@@ -137,6 +142,21 @@ class GiftPlan(CommPlan):
         del opt_state
         return refresh_due(step, self.refresh_every)
 
+    def state_metrics(self, opt_state):
+        """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
+        and ``gift/whitened/<layer path>`` (fraction of that leaf's matrices, e.g. the layers
+        of a scanned stack) sent through the whitened transport until the next refresh."""
+        from gift_jax.whitening.stage import whitened_fraction
+
+        state = optax.tree.get(opt_state, "GiftState")
+        frac = whitened_fraction(state)
+        if frac is None:
+            return {}
+        out = {"gift/whitened_fraction": float(frac)}
+        for path, use in state.use_whitening.items():
+            out[f"gift/whitened/{path}"] = float(jax.numpy.mean(use.astype("float32")))
+        return out
+
     def roundtrip(self, stage, grads, inner_state):
         """The GIFT stage with its current factors and zeroed error-feedback buffers; returns
         the factors of single-block layers for the whitened-frame error."""
@@ -164,6 +184,8 @@ class GiftPlan(CommPlan):
             two_sided=self.gift_two_sided,
             distribute_refresh=config.comm.distribute_refresh,
             seed=config.train.seed,
+            route_frame=route_frame(config),
+            route_adam_eps=config.optimizer.eps,
         )
         return self._dense_chain(config, stage, schedule), stage
 
@@ -230,6 +252,16 @@ class PlumagePlan(CommPlan):
             distribute_refresh=config.comm.distribute_refresh,
         )
         return tx, stage
+
+
+def route_frame(config: ml_collections.ConfigDict) -> str:
+    """``gift.route_frame`` of a validated config, ``"optimizer"`` resolved to the frame of the
+    update the optimizer takes from the reduced gradient (``"adam"`` for AdamW, ``"muon"``
+    for Muon)."""
+    frame = config.gift.get("route_frame", "off")
+    if frame == "optimizer":
+        return "muon" if config.optimizer.name == "muon" else "adam"
+    return frame
 
 
 def _grad_norm_state(tree: Any) -> GradNormState | None:
