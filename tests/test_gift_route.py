@@ -4,6 +4,7 @@ measured round-trip error, decided on refresh steps, identical on every replica,
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -112,13 +113,7 @@ def test_bad_route_settings():
                                          r"'whitened', 'adam', 'muon'\), got 'sgd'"):
         gift(allreduce("data"), route_frame="sgd")
     with pytest.raises(ValueError, match="must be a gift_jax.allreduce stage"):
-        gift(optax_identity(), route_frame="adam")
-
-
-def optax_identity():
-    import optax
-
-    return optax.identity()
+        gift(optax.identity(), route_frame="adam")
 
 
 def test_off_keeps_the_state_structure():
@@ -184,3 +179,100 @@ def test_trainer_logs_the_routing_and_stays_replica_identical():
     diag = [h for h in result.history if "gift/whitened_fraction" in h]
     assert diag and all(0.0 <= h["gift/whitened_fraction"] <= 1.0 for h in diag)
     assert "gift/whitened/layers/0/mlp/down_proj/kernel" in diag[0]
+
+
+# ---- adaptive refresh: the staleness signal -------------------------------------------------
+
+def _rotated_grads(q, seed, decay=0.8):
+    """Per-device G = Xᵀδ for inputs whose top variance lies along the columns of ``q``."""
+    from tests.test_gift import M, N, T
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((D, T, N)) * decay ** np.arange(N)) @ q.T
+    g = np.einsum("dti,dto->dio", x, rng.standard_normal((D, T, M)))
+    a = np.einsum("dti,dtj->dij", x, x) / T
+    return _grads(jnp.asarray(g, jnp.float32)), jnp.asarray(a, jnp.float32)
+
+
+COV_TX = gift(allreduce("data", codec=CODEC), rank=4, factor="lowrank_diag",
+              track_coverage=True)
+COV_STEP = _per_device_step(COV_TX, [])
+
+
+def test_staleness_signal_triggers_a_refresh_on_rotated_inputs_not_on_stationary_ones():
+    from gift_jax.whitening.stage import coverage_ratio, refresh_due_adaptive
+    from tests.test_gift import N
+
+    rng = np.random.default_rng(0)
+    q1, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    q2, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    host = lambda st: jax.tree.map(lambda x: x[0], st)  # replica 0 (all agree)
+    due = lambda st: refresh_due_adaptive(host(st), 0.7, 2, 50)
+    st = _per_device_init(COV_TX)
+    assert due(st)  # no refresh yet
+    grads, a = _rotated_grads(q1, 1)
+    _, st = COV_STEP(grads, st, a)  # refresh: the reference coverage
+    ref = np.asarray(st.coverage_ref[KERNEL])
+    assert (ref == ref[:1]).all() and ref[0, 0] > 0.5
+    for seed in (2, 3, 4):  # stationary: fresh samples of the same distribution
+        _, st = COV_STEP(_rotated_grads(q1, seed)[0], st, None)
+        assert float(coverage_ratio(host(st))) > 0.8 and not due(st)
+    _, st = COV_STEP(_rotated_grads(q2, 5)[0], st, None)  # the inputs rotated
+    cov = np.asarray(st.coverage[KERNEL])
+    assert (cov == cov[:1]).all()
+    assert float(coverage_ratio(host(st))) < 0.5 and due(st)
+    grads, a = _rotated_grads(q2, 6)
+    _, st = COV_STEP(grads, st, a)  # refreshed: the reference is the new basis' coverage
+    _, st = COV_STEP(_rotated_grads(q2, 7)[0], st, None)
+    assert not due(st)
+
+
+def test_adaptive_bounds_and_bad_settings():
+    from gift_jax.whitening.stage import refresh_due_adaptive, validate_adaptive_refresh
+
+    st = COV_TX.init(_params())
+    one = jnp.ones((1,), jnp.float32)
+    st = st._replace(refreshes=jnp.int32(1), coverage={KERNEL: 0.1 * one},
+                     coverage_ref={KERNEL: one})
+    # stale, but inside min_refresh_every: not yet; at min: due
+    assert not refresh_due_adaptive(st._replace(count=jnp.int32(0)), 0.5, 3, 9)
+    assert refresh_due_adaptive(st._replace(count=jnp.int32(2)), 0.5, 3, 9)
+    fresh = st._replace(coverage={KERNEL: one})
+    assert not refresh_due_adaptive(fresh._replace(count=jnp.int32(7)), 0.5, 3, 9)
+    assert refresh_due_adaptive(fresh._replace(count=jnp.int32(8)), 0.5, 3, 9)  # max
+    for args, match in (((1.0, 1, 2), r"^refresh_threshold=1\.0 must be a number in \(0, 1\)$"),
+                        ((0.5, 0, 2), r"^min_refresh_every=0 must be an int >= 1$"),
+                        ((0.5, 5, 2), r"^min_refresh_every=5 must be <= max_refresh_every=2$")):
+        with pytest.raises(ValueError, match=match):
+            validate_adaptive_refresh(*args)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"gift.refresh": "sometimes"},
+     r"^gift\.refresh='sometimes' is not supported; allowed: fixed, adaptive$"),
+    ({"gift.refresh": "adaptive", "gift.refresh_threshold": 1.5},
+     r"^gift\.refresh_threshold=1\.5 must be a finite number in \(0, 1\)$"),
+    ({"gift.refresh": "adaptive", "gift.min_refresh_every": 9, "gift.max_refresh_every": 3},
+     r"^gift\.min_refresh_every=9 must be <= gift\.max_refresh_every=3$"),
+])
+def test_adaptive_refresh_config_errors_name_the_setting(overrides, match):
+    from gift_jax.training.config import ConfigError, validate_config
+    from tests.test_training import small_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_config(small_config("gift_fp8", **overrides), 8)
+
+
+@pytest.mark.slow
+def test_trainer_adaptive_refresh_bounded_by_max_interval():
+    from gift_jax.whitening.stage import GiftState
+    from tests.test_training import run, small_config
+
+    config = small_config("gift_fp8", **{"gift.refresh": "adaptive", "gift.min_refresh_every": 1,
+                                         "gift.max_refresh_every": 2})
+    result = run(config, stop_after=5)
+    (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, GiftState)) if isinstance(s, GiftState)]
+    assert 3 <= int(gs.refreshes) <= 5  # step 0, then at most 2 steps apart
+    assert int(gs.count) <= 1 and sorted(gs.coverage) == ["layers/0/mlp/down_proj/kernel"]
+    assert result.summary["skipped_steps"] == 0

@@ -46,6 +46,8 @@ class CommPlan:
       gift_two_sided: a refresh also captures the output-side statistics ``B = E[g gᵀ]``.
       update_rule: ``schedule → optax transformation`` replacing the config's AdamW/Muon after
         the reduction and clipping (the experiments' baselines); ``None``: the config's.
+      adaptive_refresh: ``(threshold, min_every, max_every)`` of ``gift.refresh='adaptive'``
+        (:func:`~gift_jax.whitening.stage.refresh_due_adaptive`), ``None``: the fixed clock.
     """
 
     codec: str
@@ -53,6 +55,7 @@ class CommPlan:
     gift_layers: tuple[str, ...] = ()
     gift_two_sided: bool = False
     update_rule: Callable[[optax.Schedule], optax.GradientTransformation] | None = None
+    adaptive_refresh: tuple[float, int, int] | None = None
 
     name = "none"
 
@@ -137,10 +140,14 @@ class GiftPlan(CommPlan):
     name = "gift"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
-        from gift_jax.whitening.stage import refresh_due
+        """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when
+        the GIFT state's staleness signal says so (reads it from ``opt_state``)."""
+        from gift_jax.whitening.stage import refresh_due, refresh_due_adaptive
 
-        del opt_state
-        return refresh_due(step, self.refresh_every)
+        if self.adaptive_refresh is None:
+            return refresh_due(step, self.refresh_every)
+        return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
+                                    *self.adaptive_refresh)
 
     def state_metrics(self, opt_state):
         """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
@@ -186,6 +193,7 @@ class GiftPlan(CommPlan):
             seed=config.train.seed,
             route_frame=route_frame(config),
             route_adam_eps=config.optimizer.eps,
+            track_coverage=self.adaptive_refresh is not None,
         )
         return self._dense_chain(config, stage, schedule), stage
 
@@ -274,8 +282,13 @@ def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:
     """The :class:`CommPlan` of a validated config (``comm.codec`` + ``comm.method``)."""
     comm, method = config.comm, config.comm.method
     if method == "gift":
-        return GiftPlan(comm.codec, config.gift.refresh_every, tuple(config.gift.layers),
-                        bool(config.gift.get("two_sided", False)))
+        g = config.gift
+        adaptive = None
+        if g.get("refresh", "fixed") == "adaptive":
+            adaptive = (float(g.refresh_threshold), int(g.min_refresh_every),
+                        int(g.max_refresh_every))
+        return GiftPlan(comm.codec, g.refresh_every, tuple(g.layers),
+                        bool(g.get("two_sided", False)), adaptive_refresh=adaptive)
     if method == "plumage":
         layers = tuple(config.gift.layers) if config.plumage.get("gift", False) else ()
         return PlumagePlan(comm.codec, config.plumage.refresh_every, layers)

@@ -85,8 +85,11 @@ __all__ = [
     "GiftDimensionNumbers",
     "GiftState",
     "gift",
+    "coverage_ratio",
     "refresh_due",
+    "refresh_due_adaptive",
     "select_layers",
+    "validate_adaptive_refresh",
 ]
 
 
@@ -116,6 +119,9 @@ class GiftState(NamedTuple):
     # routing (empty dicts when route_frame="off", so older states keep their structure):
     use_whitening: dict[str, jax.Array] = {}  # path -> (B,) bool: whitened transport in use
     route_error: dict[str, jax.Array] = {}  # path -> (2, B) f32: [Euclidean, whitened] error
+    # staleness signal (empty unless track_coverage=True):
+    coverage: dict[str, jax.Array] = {}  # path -> (B,) f32: ‖BᵀSĜ‖²/‖SĜ‖² of the last step
+    coverage_ref: dict[str, jax.Array] = {}  # path -> (B,) f32: the same on the last refresh
 
     # Projection hook.  A stage before GIFT that sends projected coordinates R = MᵀG (PLUMAGE)
     # finds every GiftState in its communication state by these two members (no import of
@@ -205,6 +211,75 @@ def whitened_fraction(state: GiftState) -> jax.Array | None:
     return jnp.mean(flags.astype(jnp.float32))
 
 
+def basis_coverage(factor: Any, g: jax.Array) -> jax.Array:
+    """Fraction of the input-side energy of a gradient ``g`` (n × m) in the factor's rank-r
+    basis: ``‖Bᵀ S g‖²_F / ‖S g‖²_F`` (fp32 scalar), the staleness signal of adaptive refresh.
+
+    Why the gradient and not the inputs: ``G = Σ_t x_t δ_tᵀ``, so the columns of ``G`` are
+    combinations of this step's inputs and ``G``'s input-side energy lies where the inputs
+    (weighted by their backpropagated errors) do; when the input distribution rotates away from
+    the top-r eigenvectors of ``A = E[xxᵀ]`` the fraction drops.  The ordinary step does not
+    capture inputs (only refreshes do, :mod:`gift_jax.whitening.capture`), while the reduced
+    gradient is at hand, identical on every replica: no capture, no collective, O(n·r·m).
+    ``B, S``: ``U, I`` for :class:`~gift_jax.whitening.LowRankIsotropicFactor`; ``Q, D^{-1/2}``
+    for :class:`~gift_jax.whitening.LowRankDiagFactor` (its basis lives in the diagonally
+    rescaled frame); the input side of a :class:`~gift_jax.whitening.KroneckerFactor`.  Other
+    factors keep every direction (dense, diagonal, block): 1.
+    """
+    if isinstance(factor, wh.KroneckerFactor):
+        factor = factor.left
+    g = jnp.asarray(g, jnp.float32)
+    if isinstance(factor, wh.LowRankDiagFactor):
+        g, basis = factor.d_inv_sqrt[:, None] * g, factor.q
+    elif isinstance(factor, wh.LowRankIsotropicFactor):
+        basis = factor.u
+    else:
+        return jnp.ones((), jnp.float32)
+    top = jnp.sum(jnp.matmul(basis.T, g, precision="highest") ** 2)
+    return top / jnp.maximum(jnp.sum(g**2), 1e-30)
+
+
+def coverage_ratio(state: GiftState) -> jax.Array:
+    """``min`` over the selected matrices of coverage / coverage just after the last refresh
+    (1 where the reference is 0); host side, from a replicated state."""
+    ratios = [jnp.ravel(jnp.where(ref > 0, cov / jnp.where(ref > 0, ref, 1.0), 1.0))
+              for cov, ref in zip(state.coverage.values(), state.coverage_ref.values(),
+                                  strict=True)]
+    return jnp.min(jnp.concatenate(ratios))
+
+
+def validate_adaptive_refresh(threshold: float, min_every: int, max_every: int) -> None:
+    """A ``ValueError`` naming the setting unless ``0 < threshold < 1`` and
+    ``1 <= min_every <= max_every`` (ints)."""
+    if not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
+        raise ValueError(f"refresh_threshold={threshold!r} must be a number in (0, 1)")
+    for name, v in (("min_refresh_every", min_every), ("max_refresh_every", max_every)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if min_every > max_every:
+        raise ValueError(f"min_refresh_every={min_every} must be <= "
+                         f"max_refresh_every={max_every}")
+
+
+def refresh_due_adaptive(state: GiftState, threshold: float, min_every: int,
+                         max_every: int) -> bool:
+    """Host-side staleness rule (needs ``gift(track_coverage=True)``): refresh before the first
+    refresh, when ``max_every`` steps have passed since the last one, or when at least
+    ``min_every`` have and :func:`coverage_ratio` has dropped below ``threshold``.
+
+    Reads three replicated scalars of ``state`` (one device→host sync per step, as PLUMAGE's
+    adaptive rule).  ``min_every = max_every = K`` is the fixed schedule of :func:`refresh_due`.
+    """
+    if not state.coverage:
+        raise ValueError("refresh_due_adaptive needs a gift(track_coverage=True) state")
+    if int(state.refreshes) == 0:
+        return True
+    since = int(state.count) + 1  # this step is the since-th after the last refresh
+    if since >= max_every:
+        return True
+    return since >= min_every and float(coverage_ratio(state)) < threshold
+
+
 def _layout(path: str, shape: tuple[int, ...], dims: Any) -> MatrixView:
     if dims is None:
         if len(shape) != 2:
@@ -258,6 +333,7 @@ def gift(
     seed: int = 0,
     route_frame: str = "off",
     route_adam_eps: float = 1e-8,
+    track_coverage: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """GIFT: whiten the selected layers' gradients, run ``inner``, unwhiten.
 
@@ -295,6 +371,9 @@ def gift(
         Adam errors under fp32 accumulation, so a fixed choice is wrong for one of them).
         Needs ``inner`` to be a :func:`gift_jax.allreduce` stage (its codec is measured).
       route_adam_eps: ε of the ``"adam"`` frame (the optimizer's eps).
+      track_coverage: keep the staleness signal of :func:`refresh_due_adaptive` in the state
+        (:func:`basis_coverage` of the reduced gradient, every step; its value on the last
+        refresh as the reference).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`.
@@ -362,10 +441,12 @@ def gift(
         use = {p: jnp.ones((lay.batch,), bool) for p, lay in sel.items()} if routing else {}
         err = {p: jnp.zeros((2, lay.batch), jnp.float32) for p, lay in sel.items()} if (
             routing) else {}
+        cov = {p: jnp.zeros((lay.batch,), jnp.float32) for p, lay in sel.items()} if (
+            track_coverage) else {}
         return GiftState(
             count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
             out_stats=out_stats, basis=basis, factors=factors, inner_state=inner.init(params),
-            use_whitening=use, route_error=err,
+            use_whitening=use, route_error=err, coverage=cov, coverage_ref=cov,
         )
 
     def check_stats(name, given, want_shapes):
@@ -547,6 +628,13 @@ def gift(
         whitened = transform(updates, sel, state.factors, wh.whiten, use)
         reduced, inner_state = inner.update(whitened, state.inner_state, params, **extra_args)
         out = transform(reduced, sel, state.factors, wh.unwhiten, use)
-        return out, state._replace(inner_state=inner_state)
+        state = state._replace(inner_state=inner_state)
+        if track_coverage:  # from the reduced gradient: identical on every replica
+            leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+            cov = {path: jax.vmap(basis_coverage)(state.factors[path], lay.to_matrix(
+                leaves[path])) for path, lay in sel.items()}
+            state = state._replace(coverage=cov, coverage_ref=cov if gift_stats is not None
+                                   else state.coverage_ref)
+        return out, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
