@@ -60,6 +60,23 @@ A refresh changes W, so the stage hands ``inner``'s state the change of frame ``
 whitened leaves through :func:`gift_jax.comm.stage.reframe_error_feedback`: each replica's
 residual becomes ``e ← W₂W₁⁻¹e`` and the shard owners' re-quantization residuals of the
 whitened rows are zeroed (they cannot be mapped locally); GIFT never sees the buffers' layout.
+
+Routing (``route_frame`` other than ``"off"``).  Whitening is not better in every frame: under
+fp32 accumulation it lowers the whitened-frame and Muon-update round-trip errors but raises the
+Euclidean and Adam-update ones.  On each refresh, after the new factors are built, every
+replica measures per selected matrix ``[‖φ(Q(G)) − φ(G)‖², ‖φ(W⁻¹Q(WG)) − φ(G)‖², ‖φ(G)‖²]``
+on its own gradient G (``Q``: the inner all-reduce's codec as a local quantize→dequantize;
+φ: :func:`frame_map`), the three are ``pmean``'d, and the matrix is sent whitened iff the
+pooled whitened error is strictly smaller (``GiftState.use_whitening``, identical on every
+replica), until the next refresh.  The transport is a traced ``jnp.where`` between ``W·G``
+and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never a recompilation.  The residual
+frame of a matrix is ``F = W`` or ``I`` by its route, and the refresh reframes error feedback
+by ``F₂F₁⁻¹``.  With ``route_frame="off"`` the state has no routing leaves and the stage is the
+paper's GIFT, bit for bit.
+
+Staleness (``track_coverage=True``).  Every step stores :func:`basis_coverage` of the reduced
+gradient (identical on every replica; its value on the last refresh as the reference), for the
+host's :func:`refresh_due_adaptive`.
 """
 
 from __future__ import annotations
@@ -155,37 +172,44 @@ def refresh_due(step: int, refresh_every: int) -> bool:
     return step % refresh_every == 0
 
 
-def frame_errors(approx: jax.Array, ref: jax.Array, frame: str, factor: Any,
-                 adam_eps: float = 1e-8) -> jax.Array:
-    """``[‖φ(Ĝ) − φ(G)‖², ‖φ(G)‖²]`` (shape (2,), fp32) of one matrix in the optimizer's frame φ.
+def frame_map(g: jax.Array, frame: str, factor: Any, adam_eps: float = 1e-8) -> jax.Array:
+    """φ(G) of one matrix in the optimizer's frame (fp32).
 
     The frames of GIFT's round-trip tables (arXiv 2607.07494, Tables I/II;
     :mod:`gift_jax.whitening.fidelity`): ``"euclidean"`` φ(G) = G; ``"whitened"`` φ(G) = W_A G
     (``factor``: the layer's whitener); ``"adam"`` φ(G) = G/(|G| + ε), one Adam step from fresh
     moments (:func:`~gift_jax.whitening.fidelity.adam_normalise`); ``"muon"`` φ(G) = the
     Newton–Schulz polar factor Muon applies (:func:`~gift_jax.whitening.fidelity.
-    newton_schulz`).  Squared norms (not the ratio) so that replicas can average them before
-    comparing: the pooled relative error is √(Σ err² / Σ ref²).
+    newton_schulz`).
     """
     from gift_jax.whitening import fidelity
 
-    approx, ref = jnp.asarray(approx, jnp.float32), jnp.asarray(ref, jnp.float32)
+    g = jnp.asarray(g, jnp.float32)
     if frame == "whitened":
-        approx, ref = wh.whiten(factor, approx), wh.whiten(factor, ref)
-    elif frame == "adam":
-        approx = fidelity.adam_normalise(approx, adam_eps)
-        ref = fidelity.adam_normalise(ref, adam_eps)
-    elif frame == "muon":
-        approx, ref = fidelity.newton_schulz(approx), fidelity.newton_schulz(ref)
-    elif frame != "euclidean":
+        return wh.whiten(factor, g)
+    if frame == "adam":
+        return fidelity.adam_normalise(g, adam_eps)
+    if frame == "muon":
+        return fidelity.newton_schulz(g)
+    if frame != "euclidean":
         raise ValueError(f"frame must be one of {ROUTE_FRAMES[1:]}, got {frame!r}")
-    return jnp.stack([jnp.sum((approx - ref) ** 2), jnp.sum(ref**2)])
+    return g
+
+
+def frame_errors(approx: jax.Array, ref: jax.Array, frame: str, factor: Any,
+                 adam_eps: float = 1e-8) -> jax.Array:
+    """``[‖φ(Ĝ) − φ(G)‖², ‖φ(G)‖²]`` (shape (2,), fp32) of one matrix (:func:`frame_map`).
+
+    Squared norms (not the ratio) so that replicas can average them before comparing: the
+    pooled relative error is √(Σ err² / Σ ref²)."""
+    a, r = frame_map(approx, frame, factor, adam_eps), frame_map(ref, frame, factor, adam_eps)
+    return jnp.stack([jnp.sum((a - r) ** 2), jnp.sum(r**2)])
 
 
 def route_errors(x: jax.Array, lay: MatrixView, factor: Any, codec: Any, frame: str,
                  adam_eps: float = 1e-8) -> jax.Array:
     """Squared round-trip errors of one leaf's two transports, shape (3, B):
-    ``[err²(Euclidean), err²(whitened), ref²]`` per matrix, in ``frame`` (:func:`frame_errors`).
+    ``[err²(Euclidean), err²(whitened), ref²]`` per matrix, in ``frame`` (:func:`frame_map`).
 
     The round trip is the codec's local quantize→dequantize ``Q`` of the whole leaf (one scale
     per tensor or per block, as the all-reduce encodes it; round to nearest): Euclidean
@@ -197,9 +221,10 @@ def route_errors(x: jax.Array, lay: MatrixView, factor: Any, codec: Any, frame: 
     euclid = lay.to_matrix(roundtrip(x, codec))
     white = lay.from_matrix(jax.vmap(wh.whiten)(factor, g), shape=x.shape)
     back = jax.vmap(wh.unwhiten)(factor, lay.to_matrix(roundtrip(white, codec)))
-    err = jax.vmap(lambda a, r, f: frame_errors(a, r, frame, f, adam_eps))
-    e_euc, e_wh = err(euclid, g, factor), err(back, g, factor)
-    return jnp.stack([e_euc[:, 0], e_wh[:, 0], e_euc[:, 1]])
+    phi = jax.vmap(lambda m, f: frame_map(m, frame, f, adam_eps))
+    ref = phi(g, factor)
+    err2 = lambda a: jnp.sum((phi(a, factor) - ref) ** 2, axis=(-2, -1))
+    return jnp.stack([err2(euclid), err2(back), jnp.sum(ref**2, axis=(-2, -1))])
 
 
 def whitened_fraction(state: GiftState) -> jax.Array | None:
