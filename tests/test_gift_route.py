@@ -276,3 +276,27 @@ def test_trainer_adaptive_refresh_bounded_by_max_interval():
     assert 3 <= int(gs.refreshes) <= 5  # step 0, then at most 2 steps apart
     assert int(gs.count) <= 1 and sorted(gs.coverage) == ["layers/0/mlp/down_proj/kernel"]
     assert result.summary["skipped_steps"] == 0
+
+
+def test_error_feedback_follows_a_layer_switching_to_euclidean():
+    """Refresh 1 routes the layer whitened (W₁) and leaves each replica a residual e in the W₁
+    frame; refresh 2 (zero gradient: no transport is better, so Euclidean) must send what is
+    owed, mean_r W₁⁻¹e_r, not mean_r e_r (the residual read in the Euclidean frame)."""
+    from gift_jax import whitening as wh
+
+    tx = gift(allreduce("data", codec=CODEC, error_feedback=True), rank=4, ema=0.0,
+              route_frame="muon")
+    g, a = _data(0)
+    step = _per_device_step(tx, [])
+    _, st = step(_grads(g), _per_device_init(tx), a)
+    assert _use(st).all()
+    e = np.asarray(_kernel(st.inner_state.residuals[0]))[:, 0]  # (D, N, M), W₁ frame
+    assert np.abs(e).max() > 0
+    f1 = jax.tree.map(lambda x: x[0, 0], st.factors[KERNEL])
+    owed = np.mean([np.asarray(wh.unwhiten(f1, jnp.asarray(x)), np.float64) for x in e], 0)
+    out, st2 = step(_grads(jnp.zeros_like(g)), st, a)
+    assert not _use(st2).any()
+    got = np.asarray(_kernel(out))[0]
+    rel = lambda x: np.linalg.norm(x - owed) / np.linalg.norm(owed)
+    assert rel(got) < 0.15, rel(got)
+    assert rel(e.mean(0)) > 3 * rel(got), (rel(e.mean(0)), rel(got))
