@@ -92,6 +92,17 @@ def get_config() -> ml_collections.ConfigDict:
     gift.ema = 0.95  # EMA decay of A across refreshes
     gift.remainder = "diagonal"  # remainder of A beyond rank r: "diagonal" | "isotropic"
     gift.two_sided = False  # also whiten the output side with B = E[g gᵀ] (two-sided K-FAC)
+    # per-layer routing on refreshes: whiten a layer only where its measured FP8 round trip is
+    # better in this frame: "optimizer" (adam for AdamW, muon for Muon) | "adam" | "muon" |
+    # "whitened" | "euclidean" | "off" (always whiten: the paper's GIFT, configs predating it)
+    gift.route_frame = "optimizer"
+    # when to refresh: "fixed" (every refresh_every steps) | "adaptive" (when the rank-r basis
+    # covers < refresh_threshold of the gradient's input-side energy it covered just after the
+    # last refresh, within [min_refresh_every, max_refresh_every] steps of it)
+    gift.refresh = "fixed"
+    gift.refresh_threshold = 0.8
+    gift.min_refresh_every = 10
+    gift.max_refresh_every = 200
 
     # ------------------------------------------------------------------ PLUMAGE low-rank gradients
     plumage = config.plumage = ml_collections.ConfigDict()

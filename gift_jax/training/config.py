@@ -51,6 +51,10 @@ SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
 PROJECTORS = ("plumage", "galore", "flora")
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
+#: ``gift.route_frame`` values: :data:`gift_jax.whitening.stage.ROUTE_FRAMES` plus
+#: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
+GIFT_ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon", "optimizer")
+GIFT_REFRESH_RULES = ("fixed", "adaptive")
 MUON_SCALE_MODES = ("spectral", "shape")
 
 #: Settings the trainer adds when a config file does not define them.
@@ -71,6 +75,11 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "gift": {
         "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
+        "route_frame": "off",  # per-layer routing by measured round trip; off: always whiten
+        "refresh": "fixed",  # fixed: every refresh_every steps | adaptive: when the basis is stale
+        "refresh_threshold": 0.8,  # adaptive: coverage / coverage after the last refresh
+        "min_refresh_every": 10,  # adaptive: fewest steps between refreshes
+        "max_refresh_every": 200,  # adaptive: most steps between refreshes
     },
     "plumage": {
         "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
@@ -401,6 +410,17 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     if method == "gift":
         _validate_gift_numbers(config)
         _positive_int(config, "gift.refresh_every")
+        _choice(config, "gift.route_frame", GIFT_ROUTE_FRAMES)
+        _choice(config, "gift.refresh", GIFT_REFRESH_RULES)
+        if config.gift.refresh == "adaptive":
+            _number(config, "gift.refresh_threshold", low=0, low_open=True, high=1,
+                    high_open=True)
+            _positive_int(config, "gift.min_refresh_every")
+            _positive_int(config, "gift.max_refresh_every")
+            if config.gift.min_refresh_every > config.gift.max_refresh_every:
+                raise ConfigError(
+                    f"gift.min_refresh_every={config.gift.min_refresh_every} must be <= "
+                    f"gift.max_refresh_every={config.gift.max_refresh_every}")
         if not isinstance(config.gift.two_sided, bool):
             raise ConfigError(
                 f"gift.two_sided={config.gift.two_sided!r} must be a bool (true/false)")

@@ -369,6 +369,7 @@ class Trainer:
             diag = {f"wire/bytes_per_step_{'refresh' if v else 'ordinary'}": b
                     for v, b in self.wire.items()}
             diag["wire/fp32_reference"] = self.fp32_wire
+            diag.update(self.program.optimizer.plan.state_metrics(self.opt_state))
             if self.diagnose is not None:
                 report = jax.device_get(self.diagnose(self.params, self.opt_state, batch))
                 diag.update({f"fidelity/{k}": float(v) for k, v in report.items()})

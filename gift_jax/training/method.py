@@ -46,6 +46,8 @@ class CommPlan:
       gift_two_sided: a refresh also captures the output-side statistics ``B = E[g gᵀ]``.
       update_rule: ``schedule → optax transformation`` replacing the config's AdamW/Muon after
         the reduction and clipping (the experiments' baselines); ``None``: the config's.
+      adaptive_refresh: ``(threshold, min_every, max_every)`` of ``gift.refresh='adaptive'``
+        (:func:`~gift_jax.whitening.stage.refresh_due_adaptive`), ``None``: the fixed clock.
     """
 
     codec: str
@@ -53,6 +55,7 @@ class CommPlan:
     gift_layers: tuple[str, ...] = ()
     gift_two_sided: bool = False
     update_rule: Callable[[optax.Schedule], optax.GradientTransformation] | None = None
+    adaptive_refresh: tuple[float, int, int] | None = None
 
     name = "none"
 
@@ -90,6 +93,11 @@ class CommPlan:
             else:
                 kwargs["gift_stats"] = stats
         return kwargs
+
+    def state_metrics(self, opt_state: Any) -> dict[str, float]:
+        """Metrics read from the optimizer state for the diagnostics record (``{}``)."""
+        del opt_state
+        return {}
 
     def grad_norm(self, inner_state: Any, refresh: bool) -> jax.Array:
         """The reduced-gradient norm this step recorded (``inner_state``: the chain's state
@@ -132,10 +140,29 @@ class GiftPlan(CommPlan):
     name = "gift"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
-        from gift_jax.whitening.stage import refresh_due
+        """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when
+        the GIFT state's staleness signal says so (reads it from ``opt_state``)."""
+        from gift_jax.whitening.stage import refresh_due, refresh_due_adaptive
 
-        del opt_state
-        return refresh_due(step, self.refresh_every)
+        if self.adaptive_refresh is None:
+            return refresh_due(step, self.refresh_every)
+        return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
+                                    *self.adaptive_refresh)
+
+    def state_metrics(self, opt_state):
+        """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
+        and ``gift/whitened/<layer path>`` (fraction of that leaf's matrices, e.g. the layers
+        of a scanned stack) sent through the whitened transport until the next refresh."""
+        from gift_jax.whitening.stage import whitened_fraction
+
+        state = optax.tree.get(opt_state, "GiftState")
+        frac = whitened_fraction(state)
+        if frac is None:
+            return {}
+        out = {"gift/whitened_fraction": float(frac)}
+        for path, use in state.use_whitening.items():
+            out[f"gift/whitened/{path}"] = float(jax.numpy.mean(use.astype("float32")))
+        return out
 
     def roundtrip(self, stage, grads, inner_state):
         """The GIFT stage with its current factors and zeroed error-feedback buffers; returns
@@ -164,6 +191,9 @@ class GiftPlan(CommPlan):
             two_sided=self.gift_two_sided,
             distribute_refresh=config.comm.distribute_refresh,
             seed=config.train.seed,
+            route_frame=route_frame(config),
+            route_adam_eps=config.optimizer.eps,
+            track_coverage=self.adaptive_refresh is not None,
         )
         return self._dense_chain(config, stage, schedule), stage
 
@@ -232,6 +262,16 @@ class PlumagePlan(CommPlan):
         return tx, stage
 
 
+def route_frame(config: ml_collections.ConfigDict) -> str:
+    """``gift.route_frame`` of a validated config, ``"optimizer"`` resolved to the frame of the
+    update the optimizer takes from the reduced gradient (``"adam"`` for AdamW, ``"muon"``
+    for Muon)."""
+    frame = config.gift.get("route_frame", "off")
+    if frame == "optimizer":
+        return "muon" if config.optimizer.name == "muon" else "adam"
+    return frame
+
+
 def _grad_norm_state(tree: Any) -> GradNormState | None:
     """The one :class:`~gift_jax.training.optim.GradNormState` in ``tree`` (found by type name
     with ``optax.tree.get``; ``None`` when there is none, a ``KeyError`` when there are two)."""
@@ -242,8 +282,13 @@ def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:
     """The :class:`CommPlan` of a validated config (``comm.codec`` + ``comm.method``)."""
     comm, method = config.comm, config.comm.method
     if method == "gift":
-        return GiftPlan(comm.codec, config.gift.refresh_every, tuple(config.gift.layers),
-                        bool(config.gift.get("two_sided", False)))
+        g = config.gift
+        adaptive = None
+        if g.get("refresh", "fixed") == "adaptive":
+            adaptive = (float(g.refresh_threshold), int(g.min_refresh_every),
+                        int(g.max_refresh_every))
+        return GiftPlan(comm.codec, g.refresh_every, tuple(g.layers),
+                        bool(g.get("two_sided", False)), adaptive_refresh=adaptive)
     if method == "plumage":
         layers = tuple(config.gift.layers) if config.plumage.get("gift", False) else ()
         return PlumagePlan(comm.codec, config.plumage.refresh_every, layers)

@@ -60,6 +60,23 @@ A refresh changes W, so the stage hands ``inner``'s state the change of frame ``
 whitened leaves through :func:`gift_jax.comm.stage.reframe_error_feedback`: each replica's
 residual becomes ``e ← W₂W₁⁻¹e`` and the shard owners' re-quantization residuals of the
 whitened rows are zeroed (they cannot be mapped locally); GIFT never sees the buffers' layout.
+
+Routing (``route_frame`` other than ``"off"``).  Whitening is not better in every frame: under
+fp32 accumulation it lowers the whitened-frame and Muon-update round-trip errors but raises the
+Euclidean and Adam-update ones.  On each refresh, after the new factors are built, every
+replica measures per selected matrix ``[‖φ(Q(G)) − φ(G)‖², ‖φ(W⁻¹Q(WG)) − φ(G)‖², ‖φ(G)‖²]``
+on its own gradient G (``Q``: the inner all-reduce's codec as a local quantize→dequantize;
+φ: :func:`frame_map`), the three are ``pmean``'d, and the matrix is sent whitened iff the
+pooled whitened error is strictly smaller (``GiftState.use_whitening``, identical on every
+replica), until the next refresh.  The transport is a traced ``jnp.where`` between ``W·G``
+and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never a recompilation.  The residual
+frame of a matrix is ``F = W`` or ``I`` by its route, and the refresh reframes error feedback
+by ``F₂F₁⁻¹``.  With ``route_frame="off"`` the state has no routing leaves and the stage is the
+paper's GIFT, bit for bit.
+
+Staleness (``track_coverage=True``).  Every step stores :func:`basis_coverage` of the reduced
+gradient (identical on every replica; its value on the last refresh as the reference), for the
+host's :func:`refresh_due_adaptive`.
 """
 
 from __future__ import annotations
@@ -73,17 +90,23 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax import whitening as wh
-from gift_jax.comm.stage import allreduce_axis, reframe_error_feedback
+from gift_jax.comm.codecs import roundtrip
+from gift_jax.comm.collectives import resolve_codecs
+from gift_jax.comm.stage import allreduce_axis, allreduce_spec, reframe_error_feedback
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
 from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
 
 __all__ = [
+    "ROUTE_FRAMES",
     "GiftDimensionNumbers",
     "GiftState",
     "gift",
+    "coverage_ratio",
     "refresh_due",
+    "refresh_due_adaptive",
     "select_layers",
+    "validate_adaptive_refresh",
 ]
 
 
@@ -91,6 +114,11 @@ __all__ = [
 #: (``output_axis``); other axes are batch axes, each index with its own statistics and factor.
 #: The matrix view shared with PLUMAGE (:mod:`gift_jax.utils.matrices`, optax's convention).
 GiftDimensionNumbers = MatrixDimensionNumbers
+
+#: Values of ``gift(route_frame=...)``: ``"off"`` always whitens (the paper's GIFT); the others
+#: route each layer through the transport (whitened or Euclidean) whose measured round-trip
+#: error is smaller in that frame (see :func:`frame_errors`).
+ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon")
 
 
 class GiftState(NamedTuple):
@@ -105,6 +133,12 @@ class GiftState(NamedTuple):
     basis: dict[str, jax.Array]  # path -> (B, n, r) f32: top eigvecs (eig_method="subspace")
     factors: dict[str, Any]  # path -> factor pytree, every leaf with a leading (B,) axis
     inner_state: Any  # state of the wrapped all-reduce stage
+    # routing (empty dicts when route_frame="off", so older states keep their structure):
+    use_whitening: dict[str, jax.Array] = {}  # path -> (B,) bool: whitened transport in use
+    route_error: dict[str, jax.Array] = {}  # path -> (2, B) f32: [Euclidean, whitened] error
+    # staleness signal (empty unless track_coverage=True):
+    coverage: dict[str, jax.Array] = {}  # path -> (B,) f32: ‖BᵀSĜ‖²/‖SĜ‖² of the last step
+    coverage_ref: dict[str, jax.Array] = {}  # path -> (B,) f32: the same on the last refresh
 
     # Projection hook.  A stage before GIFT that sends projected coordinates R = MᵀG (PLUMAGE)
     # finds every GiftState in its communication state by these two members (no import of
@@ -136,6 +170,139 @@ class GiftState(NamedTuple):
 def refresh_due(step: int, refresh_every: int) -> bool:
     """Host-side schedule: refresh (pass ``gift_stats``) on steps 0, K, 2K, ..."""
     return step % refresh_every == 0
+
+
+def frame_map(g: jax.Array, frame: str, factor: Any, adam_eps: float = 1e-8) -> jax.Array:
+    """φ(G) of one matrix in the optimizer's frame (fp32).
+
+    The frames of GIFT's round-trip tables (arXiv 2607.07494, Tables I/II;
+    :mod:`gift_jax.whitening.fidelity`): ``"euclidean"`` φ(G) = G; ``"whitened"`` φ(G) = W_A G
+    (``factor``: the layer's whitener); ``"adam"`` φ(G) = G/(|G| + ε), one Adam step from fresh
+    moments (:func:`~gift_jax.whitening.fidelity.adam_normalise`); ``"muon"`` φ(G) = the
+    Newton–Schulz polar factor Muon applies (:func:`~gift_jax.whitening.fidelity.
+    newton_schulz`).
+    """
+    from gift_jax.whitening import fidelity
+
+    g = jnp.asarray(g, jnp.float32)
+    if frame == "whitened":
+        return wh.whiten(factor, g)
+    if frame == "adam":
+        return fidelity.adam_normalise(g, adam_eps)
+    if frame == "muon":
+        return fidelity.newton_schulz(g)
+    if frame != "euclidean":
+        raise ValueError(f"frame must be one of {ROUTE_FRAMES[1:]}, got {frame!r}")
+    return g
+
+
+def frame_errors(approx: jax.Array, ref: jax.Array, frame: str, factor: Any,
+                 adam_eps: float = 1e-8) -> jax.Array:
+    """``[‖φ(Ĝ) − φ(G)‖², ‖φ(G)‖²]`` (shape (2,), fp32) of one matrix (:func:`frame_map`).
+
+    Squared norms (not the ratio) so that replicas can average them before comparing: the
+    pooled relative error is √(Σ err² / Σ ref²)."""
+    a, r = frame_map(approx, frame, factor, adam_eps), frame_map(ref, frame, factor, adam_eps)
+    return jnp.stack([jnp.sum((a - r) ** 2), jnp.sum(r**2)])
+
+
+def route_errors(x: jax.Array, lay: MatrixView, factor: Any, codec: Any, frame: str,
+                 adam_eps: float = 1e-8) -> jax.Array:
+    """Squared round-trip errors of one leaf's two transports, shape (3, B):
+    ``[err²(Euclidean), err²(whitened), ref²]`` per matrix, in ``frame`` (:func:`frame_map`).
+
+    The round trip is the codec's local quantize→dequantize ``Q`` of the whole leaf (one scale
+    per tensor or per block, as the all-reduce encodes it; round to nearest): Euclidean
+    ``Ĝ = Q(G)``, whitened ``Ĝ = W⁻¹ Q(W G)``.  It models one quantization of a gradient of
+    this layer — each replica's contribution on the reduce-scatter leg, and the shard owner's
+    re-quantization of the mean on the all-gather leg — against the exact ``G``.
+    """
+    g = lay.to_matrix(jnp.asarray(x, jnp.float32))
+    euclid = lay.to_matrix(roundtrip(x, codec))
+    white = lay.from_matrix(jax.vmap(wh.whiten)(factor, g), shape=x.shape)
+    back = jax.vmap(wh.unwhiten)(factor, lay.to_matrix(roundtrip(white, codec)))
+    phi = jax.vmap(lambda m, f: frame_map(m, frame, f, adam_eps))
+    ref = phi(g, factor)
+    err2 = lambda a: jnp.sum((phi(a, factor) - ref) ** 2, axis=(-2, -1))
+    return jnp.stack([err2(euclid), err2(back), jnp.sum(ref**2, axis=(-2, -1))])
+
+
+def whitened_fraction(state: GiftState) -> jax.Array | None:
+    """Fraction of the selected matrices sent through the whitened transport (``None`` when
+    the stage does not route, ``route_frame="off"``)."""
+    if not state.use_whitening:
+        return None
+    flags = jnp.concatenate([jnp.ravel(u) for u in state.use_whitening.values()])
+    return jnp.mean(flags.astype(jnp.float32))
+
+
+def basis_coverage(factor: Any, g: jax.Array) -> jax.Array:
+    """Fraction of the input-side energy of a gradient ``g`` (n × m) in the factor's rank-r
+    basis: ``‖Bᵀ S g‖²_F / ‖S g‖²_F`` (fp32 scalar), the staleness signal of adaptive refresh.
+
+    Why the gradient and not the inputs: ``G = Σ_t x_t δ_tᵀ``, so the columns of ``G`` are
+    combinations of this step's inputs and ``G``'s input-side energy lies where the inputs
+    (weighted by their backpropagated errors) do; when the input distribution rotates away from
+    the top-r eigenvectors of ``A = E[xxᵀ]`` the fraction drops.  The ordinary step does not
+    capture inputs (only refreshes do, :mod:`gift_jax.whitening.capture`), while the reduced
+    gradient is at hand, identical on every replica: no capture, no collective, O(n·r·m).
+    ``B, S``: ``U, I`` for :class:`~gift_jax.whitening.LowRankIsotropicFactor`; ``Q, D^{-1/2}``
+    for :class:`~gift_jax.whitening.LowRankDiagFactor` (its basis lives in the diagonally
+    rescaled frame); the input side of a :class:`~gift_jax.whitening.KroneckerFactor`.  Other
+    factors keep every direction (dense, diagonal, block): 1.
+    """
+    if isinstance(factor, wh.KroneckerFactor):
+        factor = factor.left
+    g = jnp.asarray(g, jnp.float32)
+    if isinstance(factor, wh.LowRankDiagFactor):
+        g, basis = factor.d_inv_sqrt[:, None] * g, factor.q
+    elif isinstance(factor, wh.LowRankIsotropicFactor):
+        basis = factor.u
+    else:
+        return jnp.ones((), jnp.float32)
+    top = jnp.sum(jnp.matmul(basis.T, g, precision="highest") ** 2)
+    return top / jnp.maximum(jnp.sum(g**2), 1e-30)
+
+
+def coverage_ratio(state: GiftState) -> jax.Array:
+    """``min`` over the selected matrices of coverage / coverage just after the last refresh
+    (1 where the reference is 0); host side, from a replicated state."""
+    ratios = [jnp.ravel(jnp.where(ref > 0, cov / jnp.where(ref > 0, ref, 1.0), 1.0))
+              for cov, ref in zip(state.coverage.values(), state.coverage_ref.values(),
+                                  strict=True)]
+    return jnp.min(jnp.concatenate(ratios))
+
+
+def validate_adaptive_refresh(threshold: float, min_every: int, max_every: int) -> None:
+    """A ``ValueError`` naming the setting unless ``0 < threshold < 1`` and
+    ``1 <= min_every <= max_every`` (ints)."""
+    if not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
+        raise ValueError(f"refresh_threshold={threshold!r} must be a number in (0, 1)")
+    for name, v in (("min_refresh_every", min_every), ("max_refresh_every", max_every)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if min_every > max_every:
+        raise ValueError(f"min_refresh_every={min_every} must be <= "
+                         f"max_refresh_every={max_every}")
+
+
+def refresh_due_adaptive(state: GiftState, threshold: float, min_every: int,
+                         max_every: int) -> bool:
+    """Host-side staleness rule (needs ``gift(track_coverage=True)``): refresh before the first
+    refresh, when ``max_every`` steps have passed since the last one, or when at least
+    ``min_every`` have and :func:`coverage_ratio` has dropped below ``threshold``.
+
+    Reads three replicated scalars of ``state`` (one device→host sync per step, as PLUMAGE's
+    adaptive rule).  ``min_every = max_every = K`` is the fixed schedule of :func:`refresh_due`.
+    """
+    if not state.coverage:
+        raise ValueError("refresh_due_adaptive needs a gift(track_coverage=True) state")
+    if int(state.refreshes) == 0:
+        return True
+    since = int(state.count) + 1  # this step is the since-th after the last refresh
+    if since >= max_every:
+        return True
+    return since >= min_every and float(coverage_ratio(state)) < threshold
 
 
 def _layout(path: str, shape: tuple[int, ...], dims: Any) -> MatrixView:
@@ -189,6 +356,9 @@ def gift(
     two_sided: bool = False,
     distribute_refresh: bool = True,
     seed: int = 0,
+    route_frame: str = "off",
+    route_adam_eps: float = 1e-8,
+    track_coverage: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """GIFT: whiten the selected layers' gradients, run ``inner``, unwhiten.
 
@@ -215,6 +385,20 @@ def gift(
         :mod:`gift_jax.utils.linalg`) instead of every replica building every factor.  The
         factors agree either way up to fp32 rounding, and are bit-identical across replicas.
       seed: seed of the (replica-identical) randomized eigensolver.
+      route_frame: one of :data:`ROUTE_FRAMES`.  ``"off"`` (default, the paper's GIFT):
+        every selected layer is whitened.  Otherwise each refresh measures, per selected
+        matrix and from that step's gradients, the round-trip error of both transports in this
+        frame (:func:`route_errors`; squared errors averaged over the replicas, so every
+        replica takes the same decision) and sends the matrix whitened only where that is
+        strictly better, until the next refresh (``GiftState.use_whitening``).  Pick the frame
+        the optimizer consumes: ``"adam"`` for AdamW, ``"muon"`` for Muon (the round-trip
+        tables: whitening helps the whitened-frame and Muon errors but hurts the Euclidean and
+        Adam errors under fp32 accumulation, so a fixed choice is wrong for one of them).
+        Needs ``inner`` to be a :func:`gift_jax.allreduce` stage (its codec is measured).
+      route_adam_eps: ε of the ``"adam"`` frame (the optimizer's eps).
+      track_coverage: keep the staleness signal of :func:`refresh_due_adaptive` in the state
+        (:func:`basis_coverage` of the reduced gradient, every step; its value on the last
+        refresh as the reference).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`.
@@ -248,6 +432,12 @@ def gift(
         raise ValueError(f"gift: eig_method must be 'eigh' or 'subspace', got {eig_method!r}")
     if eig_iters < 0 or eig_oversample < 0:
         raise ValueError("gift: eig_iters and eig_oversample must be >= 0")
+    if route_frame not in ROUTE_FRAMES:
+        raise ValueError(f"gift: route_frame must be one of {ROUTE_FRAMES}, got {route_frame!r}")
+    routing = route_frame != "off"
+    if routing and allreduce_spec(inner) is None:
+        raise ValueError(f"gift: route_frame={route_frame!r} measures the round trip with the "
+                         "codec of inner, which must be a gift_jax.allreduce stage")
     reduce_stage = inner  # as built: what reframe_error_feedback reads its bucket plan from
     inner = optax.with_extra_args_support(inner)
     use_basis = eig_method == "subspace" and factor.startswith("lowrank")
@@ -273,9 +463,15 @@ def gift(
                 basis[path] = jnp.zeros((b, n, min(rank, n)), jnp.float32)
             factors[path] = ident(lay)
         z = jnp.zeros((), jnp.int32)
+        use = {p: jnp.ones((lay.batch,), bool) for p, lay in sel.items()} if routing else {}
+        err = {p: jnp.zeros((2, lay.batch), jnp.float32) for p, lay in sel.items()} if (
+            routing) else {}
+        cov = {p: jnp.zeros((lay.batch,), jnp.float32) for p, lay in sel.items()} if (
+            track_coverage) else {}
         return GiftState(
             count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
             out_stats=out_stats, basis=basis, factors=factors, inner_state=inner.init(params),
+            use_whitening=use, route_error=err, coverage=cov, coverage_ref=cov,
         )
 
     def check_stats(name, given, want_shapes):
@@ -394,17 +590,43 @@ def gift(
             out_stats=out_stats, basis=basis, factors=factors,
         )
 
-    def transform(updates, sel, factors, fn):
+    def transform(updates, sel, factors, fn, use=None):
+        """``fn`` (whiten/unwhiten) on the selected leaves; with ``use`` ({path: (B,) bool})
+        only on the matrices routed through the whitened transport — a traced select, so a
+        routing change never recompiles."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         out = []
         for p, x in flat:
             path = leaf_path(p)
             if path in sel:
                 lay = sel[path]
-                y = jax.vmap(fn)(factors[path], lay.to_matrix(x))
+                m = lay.to_matrix(x)
+                y = jax.vmap(fn)(factors[path], m)
+                if use is not None:
+                    y = jnp.where(use[path][:, None, None], y, m.astype(y.dtype))
                 x = lay.from_matrix(y, shape=x.shape).astype(x.dtype)
             out.append(x)
         return jax.tree_util.tree_unflatten(treedef, out)
+
+    def route(updates, sel, state):
+        """New ``use_whitening``/``route_error`` from this step's local gradients and the
+        (new) factors: per-matrix squared errors pmean'd over the replicas (identical
+        everywhere), whitened where strictly better."""
+        spec = allreduce_spec(reduce_stage)
+        flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+        codecs = dict(zip((leaf_path(p) for p, _ in flat),
+                          resolve_codecs(updates, spec.codec, spec.block_size, spec.policy),
+                          strict=True))
+        leaves = {leaf_path(p): v for p, v in flat}
+        use, err = {}, {}
+        for path, lay in sel.items():
+            e = route_errors(leaves[path], lay, state.factors[path], codecs[path], route_frame,
+                             route_adam_eps)
+            if axis_name is not None:
+                e = jax.lax.pmean(e, axis_name)
+            use[path] = e[1] < e[0]
+            err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
+        return state._replace(use_whitening=use, route_error=err)
 
     def update_fn(
         updates, state, params=None, *, gift_stats=None, gift_output_stats=None,
@@ -412,10 +634,14 @@ def gift(
     ):
         sel = select_layers(updates, layers, dimension_numbers)
         if gift_stats is not None:
-            old_factors = state.factors
+            old_factors, old_use = state.factors, state.use_whitening or None
             state = refresh(state, sel, gift_stats, gift_output_stats, gift_projection)
+            if routing:
+                state = route(updates, sel, state)
+            new_use = state.use_whitening or None
+            # error feedback: from the old frame (W₁ where it was whitened, else I) to the new
             change = lambda t, old=old_factors, new=state.factors: transform(
-                transform(t, sel, old, wh.unwhiten), sel, new, wh.whiten)
+                transform(t, sel, old, wh.unwhiten, old_use), sel, new, wh.whiten, new_use)
             moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
             state = state._replace(inner_state=reframe_error_feedback(
                 state.inner_state, reduce_stage, updates, change, moved))
@@ -423,9 +649,17 @@ def gift(
             raise ValueError("gift: gift_output_stats/gift_projection need gift_stats")
         else:
             state = state._replace(count=state.count + 1)
-        whitened = transform(updates, sel, state.factors, wh.whiten)
+        use = state.use_whitening or None
+        whitened = transform(updates, sel, state.factors, wh.whiten, use)
         reduced, inner_state = inner.update(whitened, state.inner_state, params, **extra_args)
-        out = transform(reduced, sel, state.factors, wh.unwhiten)
-        return out, state._replace(inner_state=inner_state)
+        out = transform(reduced, sel, state.factors, wh.unwhiten, use)
+        state = state._replace(inner_state=inner_state)
+        if track_coverage:  # from the reduced gradient: identical on every replica
+            leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+            cov = {path: jax.vmap(basis_coverage)(state.factors[path], lay.to_matrix(
+                leaves[path])) for path, lay in sel.items()}
+            state = state._replace(coverage=cov, coverage_ref=cov if gift_stats is not None
+                                   else state.coverage_ref)
+        return out, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

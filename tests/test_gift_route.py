@@ -1,0 +1,302 @@
+"""GIFT routing (gift(route_frame=...)): each layer through the transport with the smaller
+measured round-trip error, decided on refresh steps, identical on every replica, no recompile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from gift_jax.comm.stage import allreduce
+from gift_jax.whitening.stage import gift, whitened_fraction
+from tests.test_gift import KERNEL, D, _data, _kernel, _mesh, _params
+
+CODEC = "fp8_e4m3"
+
+
+def _per_device_step(tx, traces):
+    """jit(shard_map(update)) with everything per device (leading axis D), so that each
+    replica's state comes back; ``traces`` records (refresh?) per trace."""
+
+    def body(g, st, stats):
+        traces.append(stats is not None)
+        g, st = jax.tree.map(lambda x: x[0], (g, st))
+        kw = {} if stats is None else {"gift_stats": {KERNEL: stats[0]}}
+        out, st = tx.update(g, st, None, **kw)
+        return jax.tree.map(lambda x: x[None], (out, st))
+
+    return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("data"), out_specs=P("data"),
+                                 check_vma=False))
+
+
+def _per_device_init(tx):
+    return jax.jit(jax.shard_map(lambda p: jax.tree.map(lambda x: x[None], tx.init(p)),
+                                 mesh=_mesh(), in_specs=P(), out_specs=P("data"),
+                                 check_vma=False))(_params())
+
+
+def _grads(g):
+    zeros = jax.tree.map(lambda x: jnp.zeros((D, *x.shape)), _params())
+    zeros["layers"]["0"]["mlp"]["down_proj"]["kernel"] = g
+    return zeros
+
+
+def _use(st):
+    """(D,) per-replica routing flag of the one selected matrix."""
+    return np.asarray(st.use_whitening[KERNEL])[:, 0]
+
+
+# Muon frame (rank-4 factor, FP8): the whitened transport wins by ~1.7x when the factor was
+# built from the gradient's own input statistics, and loses by ~2x when it was built from a
+# differently rotated input distribution (the inverse whitener then amplifies the rounding
+# error into the gradient's directions).
+TX = gift(allreduce("data", codec=CODEC), rank=4, ema=0.0, route_frame="muon")
+TRACES: list[bool] = []
+STEP = _per_device_step(TX, TRACES)
+PLAIN = _per_device_step(gift(allreduce("data", codec=CODEC), rank=4, ema=0.0), [])
+
+
+def test_routes_euclidean_when_whitening_is_worse_and_back_when_it_helps_without_recompiling():
+    g, a_own = _data(0)
+    _, a_rotated = _data(7)
+    grads = _grads(g)
+    st0 = _per_device_init(TX)
+    assert _use(st0).all()  # before any refresh: the identity factor, labelled whitened
+    TRACES.clear()
+
+    out1, st1 = STEP(grads, st0, a_rotated)  # refresh: stale factor → Euclidean
+    assert not _use(st1).any()
+    err = np.asarray(st1.route_error[KERNEL])[:, :, 0]  # (D, [euclidean, whitened])
+    assert (err == err[:1]).all() and err[0, 1] > 1.5 * err[0, 0]
+    assert float(whitened_fraction(jax.tree.map(lambda x: x[0], st1))) == 0.0
+
+    # an ordinary step routed Euclidean is exactly the plain FP8 all-reduce
+    out_e, st_e = STEP(grads, st1, None)
+    plain = jax.jit(jax.shard_map(
+        lambda x: allreduce("data", codec=CODEC).update(x[0], allreduce(
+            "data", codec=CODEC).init(x[0]))[0][None], mesh=_mesh(), in_specs=P("data"),
+        out_specs=P("data"), check_vma=False))(g)
+    np.testing.assert_array_equal(_kernel(out_e), plain)
+    assert not _use(st_e).any()  # kept until the next refresh
+
+    out2, st2 = STEP(grads, st_e, a_own)  # refresh: matching factor → whitened again
+    assert _use(st2).all()
+    err = np.asarray(st2.route_error[KERNEL])[:, :, 0]
+    assert (err == err[:1]).all() and err[0, 1] < 0.8 * err[0, 0]
+    # routed whitened: bit-identical to the always-whitening stage refreshed with the same A
+    ref, _ = PLAIN(grads, _per_device_init(TX)._replace(use_whitening={}, route_error={}),
+                   a_own)
+    np.testing.assert_array_equal(_kernel(out2), _kernel(ref))
+    out_w, st_w = STEP(grads, st2, None)
+    assert _use(st_w).all()
+    # flips in both directions: one trace per variant, the routing is data, not a new program
+    assert TRACES == [True, False]
+    assert STEP._cache_size() == 2
+    del out1
+
+
+def test_route_frames_decide_by_their_own_error_adam_keeps_euclidean():
+    """Adam frame: G/(|G|+ε) is the sign of every element FP8 keeps, so the Euclidean
+    transport's error is ~0 and whitening (which unwhitens rounding errors into small
+    elements, flipping signs) loses: the layer is routed Euclidean; in the whitened frame the
+    same gradient and factor are routed whitened."""
+    g, a = _data(0)
+    for frame, want in (("adam", False), ("whitened", True)):
+        tx = gift(allreduce("data", codec=CODEC), rank=4, route_frame=frame)
+        _, st = _per_device_step(tx, [])(_grads(g), _per_device_init(tx), a)
+        assert (_use(st) == want).all(), frame
+
+
+def test_bad_route_settings():
+    with pytest.raises(ValueError, match=r"route_frame must be one of \('off', 'euclidean', "
+                                         r"'whitened', 'adam', 'muon'\), got 'sgd'"):
+        gift(allreduce("data"), route_frame="sgd")
+    with pytest.raises(ValueError, match="must be a gift_jax.allreduce stage"):
+        gift(optax.identity(), route_frame="adam")
+
+
+def test_off_keeps_the_state_structure():
+    """route_frame='off' adds no state leaves (old checkpoints restore)."""
+    st = gift(allreduce("data"), rank=4).init(_params())
+    assert st.use_whitening == {} and st.route_error == {}
+    assert whitened_fraction(st) is None
+
+
+def test_config_route_frame_validated_and_resolved_to_the_optimizer():
+    from gift_jax.training.config import ConfigError, validate_config
+    from gift_jax.training.method import route_frame
+    from tests.test_training import small_config
+
+    with pytest.raises(ConfigError, match=r"^gift\.route_frame='sgd' is not supported; allowed: "
+                                          r"off, euclidean, whitened, adam, muon, optimizer$"):
+        validate_config(small_config("gift_fp8", **{"gift.route_frame": "sgd"}), 8)
+    assert route_frame(small_config("gift_fp8")) == "adam"  # configs/base.py: "optimizer"
+    assert route_frame(small_config("gift_fp8", "muon")) == "muon"
+    assert route_frame(small_config("gift_fp8", **{"gift.route_frame": "off"})) == "off"
+
+
+def test_checkpoint_predating_route_frame_resumes_only_at_off():
+    """A config written before gift.route_frame existed completes to 'off' (always whiten),
+    today's behaviour; configs/base.py's new-run default is 'optimizer'."""
+    import json
+    import runpy
+
+    from gift_jax.training.config import (
+        TRAINER_DEFAULTS,
+        apply_overrides,
+        complete_config,
+        config_differences,
+        to_json,
+    )
+    from tests.test_training import ROOT
+
+    assert TRAINER_DEFAULTS["gift"]["route_frame"] == "off"
+    config = complete_config(runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]())
+    old = json.loads(to_json(config))
+    del old["gift.route_frame"]
+    changed = apply_overrides(config, [("gift.route_frame", "off")])
+    assert config_differences(json.dumps(old), changed) == []
+    assert config_differences(json.dumps(old), apply_overrides(
+        config, [("gift.route_frame", "adam")])) == [
+        "gift.route_frame: <absent> (checkpoint) != 'adam' (now)"]
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_routing_and_stays_replica_identical():
+    from gift_jax.whitening.stage import GiftState
+    from tests.test_training import assert_replicas_identical, run, small_config
+
+    config = small_config("gift_fp8", **{"train.diagnostics_every": 2,
+                                         "gift.layers": ("*/mlp/down_proj", "*/attn/o_proj")})
+    result = run(config, stop_after=3)
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, GiftState)) if isinstance(s, GiftState)]
+    assert sorted(gs.use_whitening) == ["layers/0/attn/o_proj/kernel",
+                                        "layers/0/mlp/down_proj/kernel"]
+    diag = [h for h in result.history if "gift/whitened_fraction" in h]
+    assert diag and all(0.0 <= h["gift/whitened_fraction"] <= 1.0 for h in diag)
+    assert "gift/whitened/layers/0/mlp/down_proj/kernel" in diag[0]
+
+
+# ---- adaptive refresh: the staleness signal -------------------------------------------------
+
+def _rotated_grads(q, seed, decay=0.8):
+    """Per-device G = Xᵀδ for inputs whose top variance lies along the columns of ``q``."""
+    from tests.test_gift import M, N, T
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((D, T, N)) * decay ** np.arange(N)) @ q.T
+    g = np.einsum("dti,dto->dio", x, rng.standard_normal((D, T, M)))
+    a = np.einsum("dti,dtj->dij", x, x) / T
+    return _grads(jnp.asarray(g, jnp.float32)), jnp.asarray(a, jnp.float32)
+
+
+COV_TX = gift(allreduce("data", codec=CODEC), rank=4, factor="lowrank_diag",
+              track_coverage=True)
+COV_STEP = _per_device_step(COV_TX, [])
+
+
+def test_staleness_signal_triggers_a_refresh_on_rotated_inputs_not_on_stationary_ones():
+    from gift_jax.whitening.stage import coverage_ratio, refresh_due_adaptive
+    from tests.test_gift import N
+
+    rng = np.random.default_rng(0)
+    q1, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    q2, _ = np.linalg.qr(rng.standard_normal((N, N)))
+    host = lambda st: jax.tree.map(lambda x: x[0], st)  # replica 0 (all agree)
+    due = lambda st: refresh_due_adaptive(host(st), 0.7, 2, 50)
+    st = _per_device_init(COV_TX)
+    assert due(st)  # no refresh yet
+    grads, a = _rotated_grads(q1, 1)
+    _, st = COV_STEP(grads, st, a)  # refresh: the reference coverage
+    ref = np.asarray(st.coverage_ref[KERNEL])
+    assert (ref == ref[:1]).all() and ref[0, 0] > 0.5
+    for seed in (2, 3, 4):  # stationary: fresh samples of the same distribution
+        _, st = COV_STEP(_rotated_grads(q1, seed)[0], st, None)
+        assert float(coverage_ratio(host(st))) > 0.8 and not due(st)
+    _, st = COV_STEP(_rotated_grads(q2, 5)[0], st, None)  # the inputs rotated
+    cov = np.asarray(st.coverage[KERNEL])
+    assert (cov == cov[:1]).all()
+    assert float(coverage_ratio(host(st))) < 0.5 and due(st)
+    grads, a = _rotated_grads(q2, 6)
+    _, st = COV_STEP(grads, st, a)  # refreshed: the reference is the new basis' coverage
+    _, st = COV_STEP(_rotated_grads(q2, 7)[0], st, None)
+    assert not due(st)
+
+
+def test_adaptive_bounds_and_bad_settings():
+    from gift_jax.whitening.stage import refresh_due_adaptive, validate_adaptive_refresh
+
+    st = COV_TX.init(_params())
+    one = jnp.ones((1,), jnp.float32)
+    st = st._replace(refreshes=jnp.int32(1), coverage={KERNEL: 0.1 * one},
+                     coverage_ref={KERNEL: one})
+    # stale, but inside min_refresh_every: not yet; at min: due
+    assert not refresh_due_adaptive(st._replace(count=jnp.int32(0)), 0.5, 3, 9)
+    assert refresh_due_adaptive(st._replace(count=jnp.int32(2)), 0.5, 3, 9)
+    fresh = st._replace(coverage={KERNEL: one})
+    assert not refresh_due_adaptive(fresh._replace(count=jnp.int32(7)), 0.5, 3, 9)
+    assert refresh_due_adaptive(fresh._replace(count=jnp.int32(8)), 0.5, 3, 9)  # max
+    for args, match in (((1.0, 1, 2), r"^refresh_threshold=1\.0 must be a number in \(0, 1\)$"),
+                        ((0.5, 0, 2), r"^min_refresh_every=0 must be an int >= 1$"),
+                        ((0.5, 5, 2), r"^min_refresh_every=5 must be <= max_refresh_every=2$")):
+        with pytest.raises(ValueError, match=match):
+            validate_adaptive_refresh(*args)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"gift.refresh": "sometimes"},
+     r"^gift\.refresh='sometimes' is not supported; allowed: fixed, adaptive$"),
+    ({"gift.refresh": "adaptive", "gift.refresh_threshold": 1.5},
+     r"^gift\.refresh_threshold=1\.5 must be a finite number in \(0, 1\)$"),
+    ({"gift.refresh": "adaptive", "gift.min_refresh_every": 9, "gift.max_refresh_every": 3},
+     r"^gift\.min_refresh_every=9 must be <= gift\.max_refresh_every=3$"),
+])
+def test_adaptive_refresh_config_errors_name_the_setting(overrides, match):
+    from gift_jax.training.config import ConfigError, validate_config
+    from tests.test_training import small_config
+
+    with pytest.raises(ConfigError, match=match):
+        validate_config(small_config("gift_fp8", **overrides), 8)
+
+
+@pytest.mark.slow
+def test_trainer_adaptive_refresh_bounded_by_max_interval():
+    from gift_jax.whitening.stage import GiftState
+    from tests.test_training import run, small_config
+
+    config = small_config("gift_fp8", **{"gift.refresh": "adaptive", "gift.min_refresh_every": 1,
+                                         "gift.max_refresh_every": 2})
+    result = run(config, stop_after=5)
+    (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, GiftState)) if isinstance(s, GiftState)]
+    assert 3 <= int(gs.refreshes) <= 5  # step 0, then at most 2 steps apart
+    assert int(gs.count) <= 1 and sorted(gs.coverage) == ["layers/0/mlp/down_proj/kernel"]
+    assert result.summary["skipped_steps"] == 0
+
+
+def test_error_feedback_follows_a_layer_switching_to_euclidean():
+    """Refresh 1 routes the layer whitened (W₁) and leaves each replica a residual e in the W₁
+    frame; refresh 2 (zero gradient: no transport is better, so Euclidean) must send what is
+    owed, mean_r W₁⁻¹e_r, not mean_r e_r (the residual read in the Euclidean frame)."""
+    from gift_jax import whitening as wh
+
+    tx = gift(allreduce("data", codec=CODEC, error_feedback=True), rank=4, ema=0.0,
+              route_frame="muon")
+    g, a = _data(0)
+    step = _per_device_step(tx, [])
+    _, st = step(_grads(g), _per_device_init(tx), a)
+    assert _use(st).all()
+    e = np.asarray(_kernel(st.inner_state.residuals[0]))[:, 0]  # (D, N, M), W₁ frame
+    assert np.abs(e).max() > 0
+    f1 = jax.tree.map(lambda x: x[0, 0], st.factors[KERNEL])
+    owed = np.mean([np.asarray(wh.unwhiten(f1, jnp.asarray(x)), np.float64) for x in e], 0)
+    out, st2 = step(_grads(jnp.zeros_like(g)), st, a)
+    assert not _use(st2).any()
+    got = np.asarray(_kernel(out))[0]
+    rel = lambda x: np.linalg.norm(x - owed) / np.linalg.norm(owed)
+    assert rel(got) < 0.15, rel(got)
+    assert rel(e.mean(0)) > 3 * rel(got), (rel(e.mean(0)), rel(got))
