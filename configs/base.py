@@ -95,7 +95,7 @@ def get_config() -> ml_collections.ConfigDict:
     # per-layer routing on refreshes: whiten a layer only where its measured FP8 round trip is
     # better in this frame: "optimizer" (adam for AdamW, muon for Muon) | "adam" | "muon" |
     # "whitened" | "euclidean" | "off" (always whiten: the paper's GIFT, configs predating it)
-    gift.route_frame = "optimizer"
+    gift.route_frame = "off"
     # when to refresh: "fixed" (every refresh_every steps) | "adaptive" (when the rank-r basis
     # covers < refresh_threshold of the gradient's input-side energy it covered just after the
     # last refresh, within [min_refresh_every, max_refresh_every] steps of it)

@@ -131,14 +131,17 @@ def test_config_route_frame_validated_and_resolved_to_the_optimizer():
     with pytest.raises(ConfigError, match=r"^gift\.route_frame='sgd' is not supported; allowed: "
                                           r"off, euclidean, whitened, adam, muon, optimizer$"):
         validate_config(small_config("gift_fp8", **{"gift.route_frame": "sgd"}), 8)
-    assert route_frame(small_config("gift_fp8")) == "adam"  # configs/base.py: "optimizer"
-    assert route_frame(small_config("gift_fp8", "muon")) == "muon"
+    assert route_frame(small_config("gift_fp8")) == "off"  # configs/base.py
+    adam = small_config("gift_fp8", **{"gift.route_frame": "optimizer"})
+    assert route_frame(adam) == "adam"
+    assert route_frame(small_config("gift_fp8", "muon", **{"gift.route_frame": "optimizer"})) \
+        == "muon"
     assert route_frame(small_config("gift_fp8", **{"gift.route_frame": "off"})) == "off"
 
 
 def test_checkpoint_predating_route_frame_resumes_only_at_off():
     """A config written before gift.route_frame existed completes to 'off' (always whiten),
-    today's behaviour; configs/base.py's new-run default is 'optimizer'."""
+    today's behaviour (configs/base.py's default too)."""
     import json
     import runpy
 
@@ -168,6 +171,7 @@ def test_trainer_logs_the_routing_and_stays_replica_identical():
     from tests.test_training import assert_replicas_identical, run, small_config
 
     config = small_config("gift_fp8", **{"train.diagnostics_every": 2,
+                                         "gift.route_frame": "optimizer",
                                          "gift.layers": ("*/mlp/down_proj", "*/attn/o_proj")})
     result = run(config, stop_after=3)
     assert result.summary["skipped_steps"] == 0
