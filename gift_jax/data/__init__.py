@@ -18,10 +18,10 @@ from gift_jax.data.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
-    get_tokenizer,
     padded_vocab_size,
     vocab_mismatch,
 )
+from gift_jax.data.train_tokenizer import get_tokenizer
 
 __all__ = [
     "SEPARATOR",

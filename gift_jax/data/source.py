@@ -239,7 +239,7 @@ def get_source(
     if tokenizer == "byte":
         return source
     from gift_jax.data.tokenized import TokenizedSource
-    from gift_jax.data.tokenizer import get_tokenizer
+    from gift_jax.data.train_tokenizer import get_tokenizer
 
     cache_dir = artifact_dir(source)
     return TokenizedSource(source, get_tokenizer(tokenizer, source, cache_dir), cache_dir)

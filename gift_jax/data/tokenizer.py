@@ -234,27 +234,3 @@ def vocab_mismatch(model_vocab: int, setting: str) -> str | None:
         f"vocabulary is {vocab} ids ({padded} padded to a multiple of {VOCAB_MULTIPLE}); set "
         f"--config.model.vocab_size={padded}, or use {other}"
     )
-
-
-def get_tokenizer(setting: str, source=None, cache_dir: str | None = None, *,
-                  max_chars: int | None = None) -> Tokenizer:
-    """The tokenizer of a ``data.tokenizer`` value.
-
-    ``spm:N`` / ``bpe:N`` train on ``source``'s train split (at most ``max_chars`` characters,
-    default :data:`gift_jax.data.train_tokenizer.MAX_TRAIN_CHARS`) and cache the model under
-    ``cache_dir``; the other forms need neither. Bad values raise :class:`DataError`.
-    """
-    spec = parse_tokenizer(setting)
-    if spec is None:
-        raise DataError(f"data.tokenizer={setting!r} is not supported; allowed: {TOKENIZER_HELP}")
-    if spec.kind == "byte":
-        return ByteTokenizer()
-    if spec.path is not None:
-        return load_tokenizer_file(spec)
-    from gift_jax.data import train_tokenizer
-
-    if source is None or cache_dir is None:
-        raise DataError(f"data.tokenizer={setting!r} is trained on a corpus: pass its source "
-                        "and a cache directory")
-    limit = train_tokenizer.MAX_TRAIN_CHARS if max_chars is None else max_chars
-    return train_tokenizer.trained_tokenizer(source, spec.kind, spec.vocab, cache_dir, limit)

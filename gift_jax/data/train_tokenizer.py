@@ -1,4 +1,5 @@
-"""Training a tokenizer on a corpus's train split (``data.tokenizer=spm:N`` / ``bpe:N``).
+"""The tokenizer of a ``data.tokenizer`` value (:func:`get_tokenizer`), and training one on a
+corpus's train split (``data.tokenizer=spm:N`` / ``bpe:N``).
 
 As flax's lm1b example does, a run with no tokenizer file trains one on its own training data,
 so nothing is downloaded. Two kinds, each the open-source counterpart of a paper tokenizer:
@@ -28,9 +29,13 @@ from collections.abc import Iterator
 
 from gift_jax.data.errors import DataError
 from gift_jax.data.tokenizer import (
+    TOKENIZER_HELP,
+    ByteTokenizer,
     HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    load_tokenizer_file,
+    parse_tokenizer,
     require_package,
 )
 
@@ -142,3 +147,25 @@ def trained_tokenizer(source, kind: str, vocab_size: int, cache_dir: str,
     if kind == "spm":
         return SentencePieceTokenizer.from_file(path)
     return HFTokenizer.from_file(path)
+
+
+def get_tokenizer(setting: str, source=None, cache_dir: str | None = None, *,
+                  max_chars: int | None = None) -> Tokenizer:
+    """The tokenizer of a ``data.tokenizer`` value.
+
+    ``spm:N`` / ``bpe:N`` train on ``source``'s train split (at most ``max_chars`` characters,
+    default :data:`MAX_TRAIN_CHARS`) and cache the model under
+    ``cache_dir``; the other forms need neither. Bad values raise :class:`DataError`.
+    """
+    spec = parse_tokenizer(setting)
+    if spec is None:
+        raise DataError(f"data.tokenizer={setting!r} is not supported; allowed: {TOKENIZER_HELP}")
+    if spec.kind == "byte":
+        return ByteTokenizer()
+    if spec.path is not None:
+        return load_tokenizer_file(spec)
+    if source is None or cache_dir is None:
+        raise DataError(f"data.tokenizer={setting!r} is trained on a corpus: pass its source "
+                        "and a cache directory")
+    limit = MAX_TRAIN_CHARS if max_chars is None else max_chars
+    return trained_tokenizer(source, spec.kind, spec.vocab, cache_dir, limit)
