@@ -40,6 +40,7 @@ from gift_jax.training import (  # noqa: E402
     train,
     validate_config,
 )
+from gift_jax.training.config import set_fields  # noqa: E402
 from gift_jax.training.program import program_for  # noqa: E402
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
@@ -85,12 +86,7 @@ def small_config(mode="fp8", optimizer="adamw", **overrides):
         "optimizer.name": optimizer,
     }
     base.update(overrides)
-    with config.unlocked():
-        for name, value in base.items():
-            group, field = name.split(".")
-            with config[group].ignore_type():
-                config[group][field] = value
-    return config
+    return set_fields(config, base)
 
 
 def run(config, workdir=None, **kwargs):

@@ -219,6 +219,19 @@ def _parse_value(text: str, current: Any, name: str) -> Any:
     return value
 
 
+def set_fields(config: ml_collections.ConfigDict,
+               fields: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """Sets typed values ``{"group.field": value}`` on ``config`` in place (types are not
+    checked: a tuple may replace a tuple of another length, an int a float) and returns it;
+    :func:`apply_overrides` is the command-line form, parsing strings."""
+    with config.unlocked():
+        for name, value in fields.items():
+            group, field = name.split(".")
+            with config[group].ignore_type():
+                config[group][field] = value
+    return config
+
+
 def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Iterable[tuple[str, str]]
 ) -> ml_collections.ConfigDict:

@@ -38,7 +38,7 @@ import optax
 from gift_jax.lowrank import mask_excluding, plumage, refresh_due
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import LlamaConfig, param_shapes
-from gift_jax.training.config import complete_config, load_config
+from gift_jax.training.config import complete_config, load_config, set_fields
 from gift_jax.training.loop import Trainer
 from gift_jax.training.optim import DENSE_PATTERNS, learning_rate_schedule
 from gift_jax.utils.timing import interleaved_times
@@ -295,12 +295,7 @@ def trainer_config(method: str, s: CompareSettings, seed: int,
                        "plumage.realign_moments": realign, "plumage.rank": s.rank,
                        "plumage.refresh_every": s.refresh_every, "plumage.scale": s.scale,
                        "plumage.layers": PROJECTED_PATTERNS})
-    with config.unlocked():
-        for name, value in fields.items():
-            group, field = name.split(".")
-            with config[group].ignore_type():
-                config[group][field] = value
-    return config
+    return set_fields(config, fields)
 
 
 def _source_batches(source):
