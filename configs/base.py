@@ -68,6 +68,16 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ------------------------------------------------------------------ device mesh
     mesh = config.mesh = ml_collections.ConfigDict()
+    # data x fsdp x tensor = the number of devices (one of them may be -1: the rest). data:
+    # replicas reducing through the quantized collective (put it across nodes/slices); fsdp:
+    # parameters, gradients, optimizer state and batch split within a replica (ZeRO-3);
+    # tensor: attention heads and the MLP hidden dimension split (Megatron)
+    mesh.data = -1
+    mesh.fsdp = 1
+    mesh.tensor = 1
+    # logical axis -> mesh axis ('' = replicated); see gift_jax/training/sharding.py
+    mesh.rules = ml_collections.ConfigDict(dict(
+        vocab="tensor", embed="fsdp", heads="tensor", kv_heads="tensor", mlp="tensor", norm=""))
     mesh.intra_size = 1  # > 1: a second (intra-node) axis for hierarchical communication
 
     # ------------------------------------------------------------------ gradient communication

@@ -25,4 +25,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.warmup_steps = 10000  # linear warmup (10% of the run)
     config.train.num_steps = 100000  # optimizer steps
     config.plumage.rank = 512  # projection rank
+
+    # ~21 GB of fp32 parameters and Adam moments: pure data parallelism fits an 80 GB GPU.
+    # On a pod, split each replica over a node: --config.mesh.fsdp=8 (or fsdp=4 tensor=2 with
+    # --config.mesh.rules.mlp='': GaLore's d_ff=5461 is odd, so the MLP hidden dimension cannot
+    # be split over tensor)
+    config.mesh.data = -1
+    config.mesh.fsdp = 1
+    config.mesh.tensor = 1
     return config

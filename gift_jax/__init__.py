@@ -33,6 +33,7 @@ from gift_jax.comm.collectives import (
 )
 from gift_jax.comm.stage import (
     AllReduceState,
+    LocalShards,
     allreduce,
     allreduce_axis,
     allreduce_spec,
@@ -78,6 +79,7 @@ __all__ = [
     "Codec",
     "GiftDimensionNumbers",
     "GiftState",
+    "LocalShards",
     "LowRankDimensionNumbers",
     "PlumageState",
     "WireReport",

@@ -19,6 +19,7 @@ trainer's) takes the same decision everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -47,6 +48,40 @@ class AllReduceState(NamedTuple):
 
 
 _SPEC_ATTRIBUTE = "allreduce_spec"
+_SHARDS_ATTRIBUTE = "allreduce_shards"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalShards:
+    """The gradient leaves are sharded inside each data-parallel replica over further mesh
+    axes (FSDP, tensor parallelism), which the caller leaves to GSPMD (``jax.shard_map`` manual
+    over the data axes only).
+
+    ``axes``: those mesh axes; ``specs(tree)``: the ``PartitionSpec`` (over ``axes``) of every
+    leaf of a tree of arrays shaped like what the stage reduces. With them, :func:`allreduce`
+    runs its reduction inside a nested ``shard_map`` manual over ``axes`` too, so every device
+    quantizes and exchanges across the data axes *only its own shard* of each leaf: the bytes
+    on the wire per device are the codec's ratio times the fp32 bytes of the local shard, and
+    no gradient is gathered over ``axes`` first.
+    """
+
+    axes: tuple[str, ...]
+    specs: Callable[[Any], Any]
+
+    def residual_specs(self, residuals: Any, leaf_specs: Any = None) -> Any:
+        """Specs over ``axes`` of error-feedback buffers ``(local, shard)`` (as
+        :func:`~gift_jax.comm.collectives.init_residuals` makes them per device): each local
+        buffer like its leaf (``leaf_specs``, default: from the buffers' own global shapes)
+        behind its leading axis; the shard buffers one per device along their leading axis."""
+        local, shard = residuals
+        if leaf_specs is None:
+            leaf_specs = self.specs(jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local))
+        local_specs = jax.tree.map(lambda s: PartitionSpec(None, *s), leaf_specs,
+                                   is_leaf=lambda s: isinstance(s, PartitionSpec))
+        return local_specs, tuple(PartitionSpec(self.axes) for _ in shard)
+
+
 
 def allreduce(
     axis_name: AxisName | None,
@@ -64,6 +99,7 @@ def allreduce(
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     intra_axis: AxisName | None = None,
     intra_codec: str | Codec = "fp32",
+    shards: LocalShards | None = None,
 ) -> optax.GradientTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -88,6 +124,12 @@ def allreduce(
       intra_axis, intra_codec: hierarchical all-reduce — reduce-scatter over ``intra_axis``
         in ``intra_codec`` first (e.g. full precision inside a node), then the quantized
         all-reduce across ``axis_name``, then an all-gather over ``intra_axis``.
+      shards: the leaves are sharded over further (GSPMD) mesh axes inside each replica:
+        reduce each device's local shard (see :class:`LocalShards`). Error-feedback buffers
+        are then per device over the data axes *and* ``shards.axes``. The stochastic-rounding
+        key is the same on every device of a replica (folded with the replica index only): a
+        leaf replicated over ``shards.axes`` is then rounded alike on each of its copies, which
+        stay bit-identical; the shards of a split leaf draw the same bits at the same offsets.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -102,6 +144,8 @@ def allreduce(
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")
+    if shards is not None and (intra_axis is not None or axis_name is None):
+        raise ValueError("shards (sharded leaves) needs an axis_name and no intra_axis")
     if not isinstance(seed, int):
         raise TypeError(f"seed={seed!r} must be an int")
 
@@ -110,18 +154,41 @@ def allreduce(
         key = jax.random.PRNGKey(seed) if stochastic_rounding else None
         residuals = None
         if error_feedback and axis_name is not None:
-            residuals = init_residuals(params, spec)
+            if shards is None:
+                residuals = init_residuals(params, spec)
+            else:
+                specs = shards.specs(params)
+                shapes = jax.eval_shape(lambda p: jax.shard_map(
+                    lambda q: init_residuals(q, spec), in_specs=(specs,), out_specs=PartitionSpec(),
+                    axis_names=set(shards.axes), check_vma=False)(p), params)
+                residuals = jax.shard_map(
+                    lambda q: init_residuals(q, spec), in_specs=(specs,),
+                    out_specs=shards.residual_specs(shapes, specs),
+                    axis_names=set(shards.axes), check_vma=False)(params)
         return AllReduceState(key, residuals)
+
+    def reduce(updates, key, residuals):
+        return all_reduce_tree(updates, spec, key=key, residuals=residuals)
 
     def update_fn(updates, state, params=None):
         del params
         key, sub = (None, None)
         if state.key is not None:
             key, sub = jax.random.split(state.key)
-        reduced, residuals = all_reduce_tree(updates, spec, key=sub, residuals=state.residuals)
+        if shards is None:
+            reduced, residuals = reduce(updates, sub, state.residuals)
+        else:  # each device reduces its own shard (manual over shards.axes as well)
+            specs = shards.specs(updates)
+            res_specs = (None if state.residuals is None
+                         else shards.residual_specs(state.residuals))
+            reduced, residuals = jax.shard_map(
+                reduce, in_specs=(specs, PartitionSpec(), res_specs),
+                out_specs=(specs, res_specs), axis_names=set(shards.axes),
+                check_vma=False)(updates, sub, state.residuals)
         return reduced, AllReduceState(key, residuals)
 
     setattr(update_fn, _SPEC_ATTRIBUTE, spec)  # read through allreduce_spec(stage)
+    setattr(update_fn, _SHARDS_ATTRIBUTE, shards)  # read through allreduce_shards(stage)
     return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -163,8 +230,10 @@ def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree
     is zeroed otherwise).
     """
     spec = allreduce_spec(stage)
-    if spec is not None and spec.intra_axis is not None:
-        spec = None  # hierarchical: no error feedback (see allreduce)
+    if spec is not None and (spec.intra_axis is not None or allreduce_shards(stage)):
+        # hierarchical: no error feedback (see allreduce); sharded leaves: the bucket plan is
+        # of each device's local shards, which `tree` does not show; every shard row is zeroed
+        spec = None
 
     def fix(node):
         if not isinstance(node, AllReduceState) or node.residuals is None:
@@ -185,6 +254,11 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
     """
     spec = getattr(stage.update, _SPEC_ATTRIBUTE, None)
     return spec if isinstance(spec, AllReduceSpec) else None
+
+
+def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
+    """The :class:`LocalShards` an :func:`allreduce` stage reduces on, or ``None``."""
+    return getattr(stage.update, _SHARDS_ATTRIBUTE, None)
 
 
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
@@ -210,18 +284,28 @@ def matrices_only(codec: str = "fp8_e4m3", other: str = "fp32"):
     return policy
 
 
-def partition_specs(opt_state, axis_name: AxisName):
+def partition_specs(opt_state, axis_name: AxisName, shards: LocalShards | None = None):
     """``PartitionSpec`` tree for an optimizer state inside ``jax.shard_map``.
 
     Error-feedback buffers of every :class:`AllReduceState` (found anywhere in the state, e.g.
     inside ``optax.chain``) are per device and get ``P(axis_name)`` on their leading axis;
-    everything else is replicated, ``P()``.
+    everything else is replicated, ``P()``. With ``shards`` (the stage reduces sharded leaves,
+    see :class:`LocalShards`) the buffers' specs over the whole mesh (for ``jax.jit``'s
+    shardings) are returned: the data axes first, then ``shards``' layout.
     """
+    lead = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+    def residuals_specs(residuals):
+        if shards is None or residuals is None:
+            return jax.tree_util.tree_map(lambda _: PartitionSpec(axis_name), residuals)
+        local, shard = shards.residual_specs(residuals)
+        local = jax.tree_util.tree_map(lambda s: PartitionSpec(axis_name, *s[1:]), local,
+                                       is_leaf=lambda s: isinstance(s, PartitionSpec))
+        return local, tuple(PartitionSpec(lead + shards.axes) for _ in shard)
 
     def specs(node):
         if isinstance(node, AllReduceState):
-            per_device = jax.tree_util.tree_map(lambda _: PartitionSpec(axis_name),
-                                                node.residuals)
+            per_device = residuals_specs(node.residuals)
             return AllReduceState(jax.tree_util.tree_map(lambda _: PartitionSpec(), node.key),
                                   per_device)
         return jax.tree_util.tree_map(lambda _: PartitionSpec(), node)

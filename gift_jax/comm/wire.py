@@ -39,8 +39,12 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s
          "f8e4m3fn": 8, "f8e4m3": 8, "f8e5m2": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8,
          "f8e8m0fnu": 8, "f4e2m1fn": 4, "c64": 64, "c128": 128}
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<n>\d+),(?P<size>\d+)\]<=")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<n>\d+),(?P<size>\d+)\]<=\[(?P<dims>[\d,]+)\]"
+                          r"(?:T\((?P<perm>[\d,]+)\))?")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                          r"(?:, device_ids=\((?P<ids>[^ ]*)\))? \{(?P<names>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{")
+_FIRST_PAIR = re.compile(r"source_target_pairs=\{\{(?P<first>\d+,\d+)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,8 @@ class CollectiveOp:
     group_size: int  # P
     buffer_bytes: int  # S (see the module docstring)
     wire_bytes: float  # per device, bus-bytes model
+    group: tuple[int, ...] = ()  # the device ids of one of its groups (() = unknown)
+    axes: tuple[str, ...] = ()  # the mesh axes its groups span (with a mesh given to parse_hlo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,17 @@ class WireReport:
             out[key] = out.get(key, 0.0) + op.wire_bytes
         return out
 
+    def over(self, axes: str | tuple[str, ...]) -> WireReport:
+        """The collectives whose groups span any of the mesh ``axes`` (needs a report parsed
+        with a mesh)."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        return WireReport(tuple(op for op in self.ops if set(op.axes) & set(axes)))
+
+    def within(self, axes: str | tuple[str, ...]) -> WireReport:
+        """The collectives whose groups span only mesh axes among ``axes``."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        return WireReport(tuple(op for op in self.ops if op.axes and set(op.axes) <= set(axes)))
+
     def table(self) -> str:
         lines = ["| collective | dtype | P | S bytes | wire bytes/device |",
                  "|---|---|---|---|---|"]
@@ -96,18 +113,59 @@ def _arrays(type_str: str) -> list[tuple[str, int]]:
     return out
 
 
-def _group_size(line: str, num_devices: int) -> int:
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _mesh_group(line: str) -> tuple[int, ...] | None:
+    """The first group of ``replica_groups=mesh['a'=2,…], device_ids=([4,2]T(1,0)) {'a'}``
+    (newer XLA): the devices that differ only along the named axes of that mesh."""
+    m = _GROUPS_MESH.search(line)
+    if not m:
+        return None
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group("axes"))]
+    ids = np.arange(int(np.prod([n for _, n in axes])))
+    if m.group("ids"):
+        iota = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group("ids"))
+        ids = _iota([int(d) for d in iota.group(1).split(",")],
+                    [int(p) for p in iota.group(2).split(",")] if iota.group(2) else None)
+    ids = ids.reshape([n for _, n in axes])
+    names = set(re.findall(r"'([^']+)'", m.group("names")))
+    index = tuple(slice(None) if a in names else 0 for a, _ in axes)
+    return tuple(int(i) for i in ids[index].reshape(-1))
+
+
+def _first_group(line: str, num_devices: int) -> tuple[int, ...]:
+    """The device ids of the first replica group (a collective-permute: its first pair)."""
+    group = _mesh_group(line)
+    if group is not None:
+        return group
     m = _GROUPS_IOTA.search(line)
     if m:
-        return int(m.group("size"))
-    m = _GROUPS_LIST.search(line)
+        ids = _iota([int(d) for d in m.group("dims").split(",")],
+                    [int(p) for p in m.group("perm").split(",")] if m.group("perm") else None)
+        return tuple(int(i) for i in ids.reshape(int(m.group("n")), int(m.group("size")))[0])
+    m = _GROUPS_LIST.search(line) or _FIRST_PAIR.search(line)
     if m and m.group("first"):
-        return len(m.group("first").split(","))
-    return num_devices
+        return tuple(int(i) for i in m.group("first").split(","))
+    return tuple(range(num_devices))
 
 
-def parse_hlo(hlo_text: str, num_devices: int | None = None) -> WireReport:
-    """:class:`WireReport` of an HLO module's text (``compiled.as_text()``)."""
+def _axes_of(group: tuple[int, ...], mesh) -> tuple[str, ...]:
+    """The mesh axes along which the devices of ``group`` (positions in the mesh's device
+    order, as the compiled module numbers them) differ."""
+    coords = np.array([np.unravel_index(i, mesh.devices.shape) for i in group])
+    return tuple(name for k, name in enumerate(mesh.axis_names)
+                 if len(set(coords[:, k].tolist())) > 1)
+
+
+def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireReport:
+    """:class:`WireReport` of an HLO module's text (``compiled.as_text()``); with the
+    ``mesh`` the function was compiled for, every collective also names the mesh axes its
+    groups span (:meth:`WireReport.over`)."""
+    if mesh is not None:
+        num_devices = mesh.devices.size
     if num_devices is None:
         import jax
 
@@ -123,7 +181,8 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None) -> WireReport:
             # the operand for collective-permute
             half = len(arrays) // 2
             arrays = arrays[half:] if kind == "all-gather" else arrays[:half]
-        P = 2 if _PAIRS.search(line) else _group_size(line, num_devices)
+        group = _first_group(line, num_devices)
+        P = 2 if _PAIRS.search(line) else len(group)
         total = sum(b for _, b in arrays)
         dtypes = tuple(d for d, _ in arrays)
         if kind == "all-reduce":
@@ -137,7 +196,8 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None) -> WireReport:
             S, wire = total, (P - 1) / P * total
         if P <= 1:
             wire = 0.0
-        ops.append(CollectiveOp(kind, dtypes, P, S, wire))
+        axes = _axes_of(group, mesh) if mesh is not None else ()
+        ops.append(CollectiveOp(kind, dtypes, P, S, wire, group, axes))
     return WireReport(tuple(ops))
 
 

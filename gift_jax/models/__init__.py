@@ -1,6 +1,7 @@
 """Models used by gift_jax's scripts and tests."""
 
 from gift_jax.models.llama import (
+    LOGICAL_AXES,
     MLP,
     Attention,
     Block,
@@ -9,12 +10,14 @@ from gift_jax.models.llama import (
     RMSNorm,
     apply_rope,
     count_params,
+    logical_axes,
     next_token_loss,
     param_shapes,
     rope_angles,
 )
 
 __all__ = [
+    "LOGICAL_AXES",
     "Attention",
     "Block",
     "Llama",
@@ -23,6 +26,7 @@ __all__ = [
     "RMSNorm",
     "apply_rope",
     "count_params",
+    "logical_axes",
     "next_token_loss",
     "param_shapes",
     "rope_angles",

@@ -50,14 +50,24 @@ __all__ = [
     "MLP",
     "RMSNorm",
     "apply_rope",
+    "LOGICAL_AXES",
     "count_params",
+    "logical_axes",
     "next_token_loss",
     "param_shapes",
     "rope_angles",
 ]
 
+#: Metadata key of every parameter's logical axis names (one per dimension): ``vocab``,
+#: ``embed`` (d_model), ``heads`` (query heads × head_dim), ``kv_heads`` (key/value heads ×
+#: head_dim), ``mlp`` (d_ff), ``norm`` (a norm gain). A rule table maps them to mesh axes
+#: (:mod:`gift_jax.training.sharding`); a custom key, not Flax's ``sharding`` metadata, so that
+#: building the model needs no mesh in context.
+LOGICAL_AXES = "logical_axes"
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ATTENTION_IMPLS = ("reference", "jax")
+_EMBED_LOOKUPS = ("gather", "one_hot")
 
 
 def _dtype_name(value: Any, field: str) -> str:
@@ -94,6 +104,11 @@ class LlamaConfig:
         (``jax.nn.dot_product_attention``: cuDNN flash attention on GPU in bf16/fp16, XLA
         elsewhere).
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
+      embed_lookup: 'gather' (a gather of the embedding rows) or 'one_hot' (a one-hot matmul
+        at full precision, the same values: maxtext's iota embedding). The sharded trainer uses
+        'one_hot': XLA's SPMD partitioner (jax 0.10–0.12) crashes on the gather's gradient
+        when the table and the token rows are both split over mesh axes; it costs one
+        ``2·tokens·vocab·d_model`` matmul, about the head's.
     """
 
     vocab_size: int = 256
@@ -111,6 +126,7 @@ class LlamaConfig:
     init_std: float = 0.02
     attention_impl: str = "reference"
     remat: bool = False
+    embed_lookup: str = "gather"
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
@@ -152,6 +168,11 @@ class LlamaConfig:
                 raise ValueError(
                     f"LlamaConfig.{field} must be a bool, got {getattr(self, field)!r}."
                 )
+        if self.embed_lookup not in _EMBED_LOOKUPS:
+            raise ValueError(
+                f"LlamaConfig.embed_lookup must be one of {_EMBED_LOOKUPS}, got "
+                f"{self.embed_lookup!r}."
+            )
         if self.attention_impl not in _ATTENTION_IMPLS:
             raise ValueError(
                 f"LlamaConfig.attention_impl must be one of {_ATTENTION_IMPLS}, got "
@@ -258,7 +279,7 @@ class RMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, param_dtype: jnp.dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=param_dtype), **{LOGICAL_AXES: ("norm",)})
         self.eps = eps
         self.dtype = dtype
 
@@ -268,7 +289,8 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs,
+            axes: tuple[str, str]) -> nnx.Linear:
     return nnx.Linear(
         d_in,
         d_out,
@@ -277,6 +299,7 @@ def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Line
         param_dtype=cfg.storage_dtype,
         kernel_init=nnx.initializers.normal(cfg.init_std),
         rngs=rngs,
+        kernel_metadata={LOGICAL_AXES: axes},
     )
 
 
@@ -294,10 +317,10 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.impl = cfg.attention_impl
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.q_proj = _linear(cfg, cfg.d_model, q_dim, rngs)
-        self.k_proj = _linear(cfg, cfg.d_model, kv_dim, rngs)
-        self.v_proj = _linear(cfg, cfg.d_model, kv_dim, rngs)
-        self.o_proj = _linear(cfg, q_dim, cfg.d_model, rngs)
+        self.q_proj = _linear(cfg, cfg.d_model, q_dim, rngs, ("embed", "heads"))
+        self.k_proj = _linear(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
+        self.v_proj = _linear(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
+        self.o_proj = _linear(cfg, q_dim, cfg.d_model, rngs, ("heads", "embed"))
 
     def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
         b, t, _ = x.shape
@@ -316,9 +339,9 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(x W_gate) ⊙ (x W_up))``, ``silu(z) = z·σ(z)``."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
-        self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs)
-        self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs)
+        self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
+        self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
+        self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -365,6 +388,7 @@ class Llama(nnx.Module):
             param_dtype=config.storage_dtype,
             embedding_init=nnx.initializers.normal(config.init_std),
             rngs=rngs,
+            embedding_metadata={LOGICAL_AXES: ("vocab", "embed")},
         )
         self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(
@@ -376,7 +400,7 @@ class Llama(nnx.Module):
         self.lm_head = (
             None
             if config.tie_embeddings
-            else _linear(config, config.d_model, config.vocab_size, rngs)
+            else _linear(config, config.d_model, config.vocab_size, rngs, ("embed", "vocab"))
         )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -398,7 +422,12 @@ class Llama(nnx.Module):
             positions = jnp.arange(tokens.shape[1])
         angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
         forward = _block_forward_remat if cfg.remat else _block_forward
-        x = self.embed(tokens)
+        if cfg.embed_lookup == "one_hot":
+            table = self.embed.embedding[...]
+            x = jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
+                           table, precision=jax.lax.Precision.HIGHEST).astype(cfg.compute_dtype)
+        else:
+            x = self.embed(tokens)
         for block in self.layers:
             x = forward(block, x, angles)
         x = self.final_norm(x)
@@ -410,7 +439,8 @@ class Llama(nnx.Module):
 # ----------------------------------------------------------------------------- helpers
 
 
-def next_token_loss(model: Llama, tokens: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def next_token_loss(model: Llama, tokens: jax.Array, mask: jax.Array | None = None,
+                    one_hot: bool = False) -> jax.Array:
     """Mean next-token cross-entropy, ``−mean_t log softmax(logits_t)[tokens_{t+1}]``.
 
     The model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; logits are upcast to
@@ -421,12 +451,20 @@ def next_token_loss(model: Llama, tokens: jax.Array, mask: jax.Array | None = No
       tokens: int ``(batch, seq + 1)``.
       mask: optional ``(batch, seq)`` weights of the *targets* ``tokens[:, 1:]`` (e.g. 0 on
         padding); the loss is then ``Σ mask·ce / Σ mask``.
+      one_hot: take the target's logit by a one-hot contraction instead of a gather (the same
+        loss up to the last bits): it partitions when the vocabulary dimension is split over a
+        mesh axis, where a gather along it crashes XLA's SPMD partitioner (jax 0.10–0.12) if
+        the rows are split too. The sharded train step uses it.
 
     Returns:
       A scalar fp32 loss.
     """
     logits = model(tokens[:, :-1]).astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if one_hot:
+        target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=jnp.float32)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * target, axis=-1)
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     if mask is None:
         return jnp.mean(ce)
     mask = mask.astype(jnp.float32)
@@ -464,3 +502,15 @@ def param_shapes(config: LlamaConfig, *, flat: bool = False) -> dict:
         return tree
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
+
+
+def logical_axes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """``{path: logical axis names}`` of every parameter (``'/'``-joined paths as
+    :func:`param_shapes` with ``flat=True``), read from the modules' :data:`LOGICAL_AXES`
+    metadata without allocating any array."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    out = {}
+    for path, variable in nnx.iter_graph(abstract):
+        if isinstance(variable, nnx.Param):
+            out["/".join(str(k) for k in path)] = tuple(variable.get_metadata()[LOGICAL_AXES])
+    return out

@@ -19,6 +19,8 @@ A checkpoint written with a different config is refused with the list of differi
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 from typing import Any
 
@@ -27,6 +29,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from gift_jax.training.config import config_differences, to_json
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointMismatchError(ValueError):
@@ -51,6 +55,22 @@ def _flat_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     return names, [x for _, x in leaves], treedef
 
 
+def _path_of(name: str) -> str:
+    """A flat state name without its index prefix."""
+    return name.split("_", 1)[1]
+
+
+def _is_residual(name: str) -> bool:
+    """Whether a flat state name is an error-feedback buffer (``AllReduceState.residuals``)."""
+    return ".residuals." in name
+
+
+def _is_shard_residual(name: str) -> bool:
+    """Whether a flat state name is a shard owner's error-feedback buffer (packed rows of a
+    bucket plan, which depends on the mesh shape)."""
+    return ".residuals.1." in name
+
+
 def _signature(x: Any) -> list:
     return [list(x.shape), str(x.dtype)]
 
@@ -62,9 +82,12 @@ class Checkpointer:
     see the same directory.
     """
 
-    def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, keep: int = 3):
+    def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, keep: int = 3,
+                 mesh_shape: dict[str, int] | None = None):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.config = config
+        self.mesh_shape = None if mesh_shape is None else {k: int(v) for k, v in
+                                                           mesh_shape.items()}
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -82,13 +105,13 @@ class Checkpointer:
         names, leaves, _ = _flat_paths(state)
         meta = {"step": int(step), "data_position": int(data_position),
                 "skipped": int(skipped), "config": to_json(self.config), "paths": names,
-                "shapes": [_signature(x) for x in leaves]}
+                "shapes": [_signature(x) for x in leaves], "mesh": self.mesh_shape}
         # orbax refuses zero-size arrays (placeholders in optax states): they come back from
         # the template, their shape and dtype are checked through the metadata
         arrays = {n: x for n, x in zip(names, leaves, strict=True) if x.size}
         self.manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(arrays),
                                     meta=ocp.args.JsonSave(meta)),
             force=force,
         )
@@ -126,21 +149,62 @@ class Checkpointer:
         step = meta["step"]
         names, leaves, treedef = _flat_paths(template)
         signatures = [_signature(x) for x in leaves]
-        if names != meta["paths"] or signatures != meta["shapes"]:
-            diff = next((f"{a} {sa} (checkpoint) != {b} {sb} (now)" for a, sa, b, sb in zip(
-                meta["paths"], meta["shapes"], names, signatures, strict=False)
-                if (a, sa) != (b, sb)), f"{len(meta['paths'])} != {len(names)} arrays")
-            raise CheckpointMismatchError(
-                f"checkpoint {self.directory} (step {step}) holds a different state layout "
-                f"({diff}); refusing a partial load"
-            )
-        abstract = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                    for n, x in zip(names, leaves, strict=True) if x.size}
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        # the shard owners' error-feedback rows follow the mesh shape even where the shapes
+        # agree; a checkpoint without the mesh predates sharding (a data-only mesh)
+        moved = meta.get("mesh") != self.mesh_shape and self.mesh_shape is not None and (
+            meta.get("mesh") is not None or any(v > 1 for k, v in self.mesh_shape.items()
+                                                if k not in ("data", "intra")))
+        if names == meta["paths"] and signatures == meta["shapes"] and not moved:
+            sources = dict(zip(names, names, strict=True))  # the same layout
+        else:
+            sources = self._matching(step, meta, names, signatures, moved)
+        abstract = {sources[n]: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                    for n, x in zip(names, leaves, strict=True) if x.size and n in sources}
+        # arrays of another mesh shape that this layout does not take are left out
+        stored = sum(1 for shape in meta["shapes"] if math.prod(shape[0]))
+        args = ocp.args.PyTreeRestore(
+            item=abstract, partial_restore=len(abstract) < stored,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding),
+                                      abstract))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         state = jax.tree_util.tree_unflatten(
-            treedef, [restored[n] if x.size else x for n, x in zip(names, leaves, strict=True)])
+            treedef, [restored[sources[n]] if x.size and n in sources else x
+                      for n, x in zip(names, leaves, strict=True)])
         return Restored(int(meta["step"]), int(meta["data_position"]), state)
+
+    def _matching(self, step: int, meta: dict, names: list[str], signatures: list,
+                  moved: bool) -> dict[str, str]:
+        """``{template name: checkpoint name}`` when the layouts differ only where a mesh
+        change allows: the per-device error-feedback buffers whose shapes and number follow
+        the mesh (every shard owner's buffer when the mesh shape ``moved``; a replica's own
+        buffer when the number of replicas changed) restart from zero, with a warning; every
+        other array must be there with the same shape and dtype (it is a global array,
+        restored onto the template's shardings)."""
+        stored = {_path_of(n): (n, sig) for n, sig in zip(meta["paths"], meta["shapes"],
+                                                          strict=True)}
+        sources, dropped = {}, 0
+        for name, sig in zip(names, signatures, strict=True):
+            old = stored.get(_path_of(name))
+            if old is not None and old[1] == sig and not (moved and _is_shard_residual(name)):
+                sources[name] = old[0]
+            elif _is_residual(name):
+                dropped += 1
+            else:
+                now = f"{_path_of(name)} {sig} (now)"
+                was = f"{old[1]} (checkpoint)" if old else "absent from the checkpoint"
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory} (step {step}) holds a different state "
+                    f"layout ({now}: {was}); refusing a partial load")
+        leftover = {_path_of(n) for n in meta["paths"]} - {_path_of(n) for n in sources.values()}
+        if any(not _is_residual(p) for p in leftover):
+            extra = sorted(p for p in leftover if not _is_residual(p))[:3]
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory} (step {step}) holds arrays this run does not "
+                f"({', '.join(extra)}, ...); refusing a partial load")
+        if dropped or leftover:
+            log.warning("checkpoint of step %d was written on another mesh shape: its "
+                        "error-feedback buffers (per device) restart from zero", step)
+        return sources
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -31,6 +31,7 @@ import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES
 from gift_jax.models import LlamaConfig
+from gift_jax.training.mesh import mesh_shape
 from gift_jax.utils.tree_paths import unmatched
 
 #: ``comm.codec`` values (the all-reduce's wire format).
@@ -60,6 +61,12 @@ MUON_SCALE_MODES = ("spectral", "shape")
 #: Settings the trainer adds when a config file does not define them.
 TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     "mesh": {
+        "data": -1,  # data-parallel replicas (-1: the devices left by fsdp x tensor)
+        "fsdp": 1,  # parameters/gradients/optimizer state/batch split within a replica
+        "tensor": 1,  # attention heads and MLP hidden dimension split (Megatron)
+        # logical axis -> mesh axis ('' = replicated), see gift_jax/training/sharding.py
+        "rules": {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+                  "mlp": "tensor", "norm": ""},
         "intra_size": 1,  # >1: hierarchical all-reduce; mesh ('data', 'intra') of this size
     },
     "comm": {
@@ -101,6 +108,11 @@ RUN_CONTROL_FIELDS = frozenset({
     "train.skip_warning_fraction",
     "train.workdir",
 })
+
+#: Settings a run may change when it resumes: the mesh's shape and sharding rules (the state
+#: is restored onto the new layout; see :mod:`gift_jax.training.checkpoint`).
+RESHARDABLE_FIELDS = frozenset({"mesh.data", "mesh.fsdp", "mesh.tensor"})
+RESHARDABLE_PREFIXES = ("mesh.rules.",)
 
 
 class ConfigError(ValueError):
@@ -226,9 +238,12 @@ def set_fields(config: ml_collections.ConfigDict,
     :func:`apply_overrides` is the command-line form, parsing strings."""
     with config.unlocked():
         for name, value in fields.items():
-            group, field = name.split(".")
-            with config[group].ignore_type():
-                config[group][field] = value
+            *groups, field = name.split(".")
+            node = config
+            for group in groups:
+                node = node[group]
+            with node.ignore_type():
+                node[field] = value
     return config
 
 
@@ -460,10 +475,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     _validate_optimizer(config)
     _validate_model(config)
     intra = config.mesh.intra_size
-    if num_devices % intra:
-        raise ConfigError(
-            f"mesh.intra_size={intra} must divide the number of devices ({num_devices})"
-        )
+    try:
+        sizes = mesh_shape(num_devices, config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                           intra)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if intra > 1 and config.comm.error_feedback:
         raise ConfigError(
             "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
@@ -474,16 +490,17 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"comm.intra_codec={config.comm.intra_codec!r} applies to low-precision "
             f"communication, not to comm.codec={config.comm.codec!r}; keep it 'fp32'")
     batch, accum = config.train.global_batch_size, config.train.grad_accum_steps
-    if batch % num_devices:
+    # the batch is split over data x fsdp (tensor-parallel devices share their rows)
+    splits = sizes["data"] * sizes["fsdp"] if intra == 1 else num_devices
+    what = ("data-parallel size", f"{splits} (number of devices)") if splits == num_devices \
+        else ("batch split", f"mesh.data x mesh.fsdp = {splits}")
+    if batch % splits:
         raise ConfigError(
-            f"train.global_batch_size={batch} must be divisible by the data-parallel size "
-            f"{num_devices} (number of devices)"
-        )
-    if (batch // num_devices) % accum:
+            f"train.global_batch_size={batch} must be divisible by the {what[0]} {what[1]}")
+    if (batch // splits) % accum:
         raise ConfigError(
             f"train.grad_accum_steps={accum} must divide the per-device batch "
-            f"{batch // num_devices} (train.global_batch_size / {num_devices} devices)"
-        )
+            f"{batch // splits} (train.global_batch_size / {what[1]})")
     if config.train.seq_len > config.model.max_seq_len:
         raise ConfigError(
             f"train.seq_len={config.train.seq_len} exceeds model.max_seq_len="
@@ -575,7 +592,8 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
     stored = _translate_flat(json.loads(stored_json))
     current = json.loads(to_json(config))
     defaults = json.loads(json.dumps(_flatten(TRAINER_DEFAULTS)))
-    names = sorted((set(stored) | set(current)) - RUN_CONTROL_FIELDS)
+    names = sorted(n for n in (set(stored) | set(current)) - RUN_CONTROL_FIELDS
+                   - RESHARDABLE_FIELDS if not n.startswith(RESHARDABLE_PREFIXES))
     missing = object()
     diffs = []
     for name in names:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -41,9 +42,10 @@ from gift_jax.training.config import (
     validate_config,
     validate_layer_patterns,
 )
-from gift_jax.training.mesh import make_mesh
+from gift_jax.training.mesh import data_axes, mesh_from_config
 from gift_jax.training.metrics import MetricsWriter, Progress
 from gift_jax.training.program import program_for
+from gift_jax.training.sharding import shard_bytes
 from gift_jax.utils.timing import Stopwatch
 from gift_jax.utils.tree_paths import flat_paths
 
@@ -260,8 +262,9 @@ class Trainer:
             eval_split = next((s for s in ("validation", "test") if s in splits), None)
         self.batches = batches
 
-        mesh = make_mesh(config.mesh.intra_size, devices)
-        self.checkpointer = (Checkpointer(workdir, config, keep=tc.keep_checkpoints)
+        mesh = mesh_from_config(config.mesh, devices)
+        self.checkpointer = (Checkpointer(workdir, config, keep=tc.keep_checkpoints,
+                                          mesh_shape=dict(mesh.shape))
                              if workdir else None)
         latest = self.checkpointer.latest_step() if self.checkpointer else None
         if latest is not None and not resume:
@@ -298,7 +301,12 @@ class Trainer:
         with self.watch.phase("compile"):
             for variant in step_fn.variants():
                 step_fn.compiled(variant)
-        self.wire = {v: step_fn.wire_report(v).total for v in step_fn.variants()}
+        # bytes per device across the data axes (on a sharded mesh GSPMD's collectives inside
+        # a replica are not counted: they are the model parallelism's, not the reduction's)
+        self.wire = {v: step_fn.wire_report(v).over(data_axes(mesh)).total
+                     for v in step_fn.variants()}
+        self.replicas = math.prod(mesh.shape[a] for a in data_axes(mesh))
+        self.local_param_bytes = shard_bytes(self.params)
 
         self.evaluate_fn = program.evaluate if (tc.eval_every and eval_split) else None
         self.eval_data: list[jax.Array] = []
@@ -336,9 +344,10 @@ class Trainer:
 
     @property
     def fp32_wire(self) -> float:
-        """Bytes per device of one fp32 ring all-reduce of the parameters."""
-        n = self.num_devices
-        return 2 * (n - 1) / n * 4 * self.n_params
+        """Bytes per device of one fp32 ring all-reduce of the parameters (of each device's
+        shard of them, on a sharded mesh) across the data-parallel replicas."""
+        n = self.replicas
+        return 2 * (n - 1) / n * self.local_param_bytes
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         """Appends a record to the history and writes it (metrics.jsonl, TensorBoard)."""

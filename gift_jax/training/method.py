@@ -48,6 +48,7 @@ class CommPlan:
         the reduction and clipping (the experiments' baselines); ``None``: the config's.
       adaptive_refresh: ``(threshold, min_every, max_every)`` of ``gift.refresh='adaptive'``
         (:func:`~gift_jax.whitening.stage.refresh_due_adaptive`), ``None``: the fixed clock.
+      shards: the all-reduce's :class:`gift_jax.LocalShards` on a sharded mesh, else ``None``.
     """
 
     codec: str
@@ -56,6 +57,7 @@ class CommPlan:
     gift_two_sided: bool = False
     update_rule: Callable[[optax.Schedule], optax.GradientTransformation] | None = None
     adaptive_refresh: tuple[float, int, int] | None = None
+    shards: Any = None
 
     name = "none"
 
@@ -121,7 +123,7 @@ class CommPlan:
         """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
         skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic)."""
 
-        stage = optim.allreduce_stage(config, axes, self.codec)
+        stage = optim.allreduce_stage(config, axes, self.codec, self.shards)
         return self._dense_chain(config, stage, schedule), stage
 
     def _dense_chain(self, config, stage, schedule) -> optax.GradientTransformation:
@@ -181,7 +183,7 @@ class GiftPlan(CommPlan):
 
         g = config.gift
         stage = gift(
-            optim.allreduce_stage(config, axes, self.codec),
+            optim.allreduce_stage(config, axes, self.codec, self.shards),
             layers=self.gift_layers,
             rank=g.rank,
             factor=GIFT_REMAINDERS[g.remainder],
@@ -233,7 +235,7 @@ class PlumagePlan(CommPlan):
             raise ConfigError("an update_rule replaces the dense optimizer; with "
                               "comm.method='plumage' PLUMAGE is the optimizer")
         pl, opt = config.plumage, config.optimizer
-        stage = optim.allreduce_stage(config, axes, self.codec)
+        stage = optim.allreduce_stage(config, axes, self.codec, self.shards)
         communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config))
         communicate_refresh = None
         if self.gift_layers:  # ordinary steps: GIFT-whitened (k, N) coordinates
@@ -323,18 +325,22 @@ class Optimizer:
 
 def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...],
                     update_rule: Callable[[optax.Schedule], optax.GradientTransformation]
-                    | None = None) -> Optimizer:
+                    | None = None, *, shards: Any = None) -> Optimizer:
     """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
     :meth:`CommPlan.build` of the config's plan,
     wrapped in :func:`~gift_jax.training.optim.skip_nonfinite`.
 
     ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
     ``update_rule`` (``schedule → transformation``) replaces the config's AdamW/Muon after
-    the reduction and clipping (``comm.method`` none or gift).
+    the reduction and clipping (``comm.method`` none or gift). ``shards``
+    (a :class:`gift_jax.LocalShards`): the gradients are split over model axes inside each
+    replica, and the all-reduce reduces each device's local shard.
     """
     plan = comm_plan(config)
     if update_rule is not None:
         plan = dataclasses.replace(plan, update_rule=update_rule)
+    if shards is not None:
+        plan = dataclasses.replace(plan, shards=shards)
     schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
     chain, stage = plan.build(config, axes, schedule)
     return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

@@ -125,8 +125,9 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 
 def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
-                    codec: str) -> optax.GradientTransformation:
-    """The quantized all-reduce over the data axes with the config's codec settings."""
+                    codec: str, shards: Any = None) -> optax.GradientTransformation:
+    """The quantized all-reduce over the data axes with the config's codec settings
+    (``shards``: reduce each device's local shard, see :class:`gift_jax.LocalShards`)."""
     comm = config.comm
     block = None
     if codec in ("fp8_e4m3", "fp8_e5m2") and comm.scaling == "block":
@@ -143,6 +144,7 @@ def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
         accumulate="fp8" if comm.fp8_accumulation else "fp32",
         intra_axis=axes[1] if hierarchical else None,
         intra_codec=comm.intra_codec,
+        shards=shards,
     )
 
 

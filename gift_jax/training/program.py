@@ -9,6 +9,7 @@ one process — resuming, sweeps in a notebook, tests — reuse the compiled exe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -20,8 +21,9 @@ from jax.sharding import Mesh
 
 from gift_jax.models import LlamaConfig
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
-from gift_jax.training.mesh import data_axes
+from gift_jax.training.mesh import data_axes, model_axes
 from gift_jax.training.method import Optimizer, build_optimizer
+from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout
 from gift_jax.training.step import (
     TrainStep,
     eval_step_fn,
@@ -45,17 +47,22 @@ class Program:
         tc = config.train
         self.mesh = mesh
         self.model_config = LlamaConfig.from_mapping(config.model)
+        if model_axes(mesh):  # a gather's gradient does not partition there (see LlamaConfig)
+            self.model_config = dataclasses.replace(self.model_config, embed_lookup="one_hot")
         self.model_def = model_def_of(self.model_config)
         self.update_rule = update_rule  # kept alive: its id is part of the cache key
-        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh), update_rule)
-        self.init_params = params_init_fn(self.model_config, tc.seed, mesh)
+        self.layout = ParamLayout.of(self.model_config, dict(mesh.shape),
+                                     dict(config.mesh.get("rules", DEFAULT_RULES)))
+        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh), update_rule,
+                                                    shards=self.layout.local_shards(mesh))
+        self.init_params = params_init_fn(self.model_config, tc.seed, mesh, self.layout)
         abstract_params = jax.eval_shape(self.init_params)
-        self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh)
+        self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh, self.layout)
         abstract_state = jax.eval_shape(self.init_opt_state, abstract_params)
         self.step = TrainStep(self.model_def, self.optimizer, mesh, abstract_params,
                               abstract_state, global_batch=tc.global_batch_size,
                               seq_len=tc.seq_len, accum_steps=tc.grad_accum_steps,
-                              compiler_options=compiler_options)
+                              compiler_options=compiler_options, layout=self.layout)
         self._accum = tc.grad_accum_steps
 
     def init(self) -> tuple[Any, Any]:
@@ -66,7 +73,7 @@ class Program:
     @functools.cached_property
     def evaluate(self) -> Callable:
         """Jitted ``(params, batch) → mean loss``."""
-        return eval_step_fn(self.model_def, self.mesh)
+        return eval_step_fn(self.model_def, self.mesh, self.layout)
 
     @functools.cached_property
     def diagnose(self) -> Callable | None:
@@ -74,7 +81,7 @@ class Program:
         if not fidelity_available():
             return None
         return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,
-                           self._accum)
+                           self._accum, self.layout)
 
 
 def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options,

@@ -1,18 +1,23 @@
-"""The data-parallel train step: ``jax.jit`` of a ``jax.shard_map`` with per-device gradients.
+"""The train step: ``jax.jit`` of a ``jax.shard_map`` with per-replica gradients.
 
 Inside ``shard_map`` (``check_vma=False``, so ``jax.grad`` of the replicated parameters is the
-*local* gradient and no implicit fp32 all-reduce is inserted) each device
+*local* gradient and no implicit fp32 all-reduce is inserted) each replica
 
-1. rebuilds the model from the replicated parameters (``nnx.merge``),
+1. rebuilds the model from the parameters (``nnx.merge``),
 2. computes the gradient of its shard of the batch — a ``lax.scan`` over ``grad_accum_steps``
    microbatches when accumulating, so there is one reduction per optimizer step — and, in a
    GIFT refresh variant, the input statistics of the selected layers (with ``gift.two_sided``
    also the output-side ones, from the same backward pass),
 3. runs the optimizer chain, whose first stage is the reduction (see :mod:`.optim`).
 
-Parameters are replicated (``P()``), the batch is split over the data axes, and the optimizer
-state is replicated except the per-device error-feedback buffers (``P(data)`` on their leading
-axis, from :func:`gift_jax.partition_specs`).
+On a data-parallel mesh the ``shard_map`` is manual over every axis: parameters are replicated
+(``P()``), the batch is split over the data axes, the optimizer state is replicated except the
+per-device error-feedback buffers. On a sharded mesh (``fsdp``/``tensor`` > 1, see
+:mod:`.sharding`) it is manual over ``data`` only: inside a replica GSPMD partitions the model
+over the model axes (parameters, gradients and optimizer state stay split as
+:class:`~.sharding.ParamLayout` says; the replica's rows are split over ``fsdp``), and the
+all-reduce stage reduces each device's local shard across ``data`` in a nested ``shard_map``
+(:class:`gift_jax.LocalShards`). Either way the step is one ``jax.jit`` over the whole mesh.
 
 Variants: GIFT factor and PLUMAGE projection refreshes are static choices; the host picks
 ``refresh=True/False`` per step (:meth:`TrainStep.refresh_due`) and each variant is compiled
@@ -37,9 +42,15 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax
 from gift_jax.models import Llama, LlamaConfig, next_token_loss
-from gift_jax.training.mesh import data_axes
+from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
 from gift_jax.training.method import Optimizer
 from gift_jax.training.optim import SkipState
+from gift_jax.training.sharding import (
+    ParamLayout,
+    manual_specs,
+    shardings,
+    state_specs,
+)
 
 Params = Any
 OptState = Any
@@ -56,9 +67,27 @@ class ModelDef:
         return nnx.merge(self.graphdef, params)
 
 
-def _axis(mesh: Mesh) -> str | tuple[str, ...]:
-    axes = data_axes(mesh)
-    return axes[0] if len(axes) == 1 else axes
+def replica_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """``jax.shard_map`` of ``fn`` that is manual over the data axes only (the model axes, if
+    any, stay with GSPMD); specs name data axes only."""
+    kwargs = {"axis_names": set(data_axes(mesh))} if model_axes(mesh) else {}
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False, **kwargs)
+
+
+def loss_for(mesh: Mesh) -> Callable:
+    """The loss of the step on ``mesh``: :func:`~gift_jax.models.next_token_loss`, with
+    ``one_hot=True`` on a sharded mesh (a gather along a split vocabulary does not partition)."""
+    if model_axes(mesh):
+        return functools.partial(next_token_loss, one_hot=True)
+    return next_token_loss
+
+
+def _constrain(tree: Any, specs: Any) -> Any:
+    """``with_sharding_constraint`` on the model axes (inside :func:`replica_map`)."""
+    if specs is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, specs)
 
 
 def model_def_of(model_config: LlamaConfig) -> ModelDef:
@@ -70,61 +99,66 @@ def model_def_of(model_config: LlamaConfig) -> ModelDef:
     return ModelDef(graphdef)
 
 
-@functools.lru_cache(maxsize=8)
-def params_init_fn(model_config: LlamaConfig, seed: int, mesh: Mesh) -> Callable[[], Params]:
-    """Jitted ``() → params`` (a pure dict), initialised on device and replicated over
-    ``mesh``: the same values on every process, a function of ``seed`` only."""
+def params_init_fn(model_config: LlamaConfig, seed: int, mesh: Mesh,
+                   layout: ParamLayout) -> Callable[[], Params]:
+    """Jitted ``() → params`` (a pure dict), initialised on device directly on the layout's
+    shardings (a sharded model never materialises whole on one device or on the host): the
+    same values on every process and every mesh, a function of ``seed`` only."""
 
     def build():
         model = Llama(model_config, rngs=nnx.Rngs(seed))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
-    return jax.jit(build, out_shardings=NamedSharding(mesh, P()))
+    abstract = jax.eval_shape(build)
+    return jax.jit(build, out_shardings=shardings(layout.specs(abstract), mesh))
 
 
-def state_specs(opt_state: OptState, mesh: Mesh) -> Any:
-    """``PartitionSpec`` tree of an optimizer state: per-device buffers over the data axes."""
-    return gift_jax.partition_specs(opt_state, _axis(mesh))
-
-
-def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh) -> Callable:
-    """Jitted ``params → opt_state``: ``tx.init`` inside ``shard_map``, so per-device buffers
-    (error feedback) are created per device and sharded over the data axes (as
-    :func:`gift_jax.init_on_mesh`)."""
-    probe = jax.eval_shape(jax.shard_map(optimizer.tx.init, mesh=mesh, in_specs=P(),
-                                         out_specs=P(), check_vma=False), abstract_params)
-    specs = state_specs(probe, mesh)
-    return jax.jit(jax.shard_map(optimizer.tx.init, mesh=mesh, in_specs=P(), out_specs=specs,
-                                 check_vma=False))
+def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
+                layout: ParamLayout) -> Callable:
+    """Jitted ``params → opt_state``: ``tx.init`` inside :func:`replica_map`, so per-device
+    buffers (error feedback) are created per device and sharded over every axis (as
+    :func:`gift_jax.init_on_mesh`), the rest as :func:`~.sharding.state_specs` says."""
+    probe = jax.eval_shape(replica_map(optimizer.tx.init, mesh, P(), P()), abstract_params)
+    specs = state_specs(probe, layout, mesh)
+    return jax.jit(replica_map(optimizer.tx.init, mesh, P(), manual_specs(specs, mesh)),
+                   in_shardings=(shardings(layout.specs(abstract_params), mesh),),
+                   out_shardings=shardings(specs, mesh))
 
 
 def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
                           accum_steps: int, capture_layers: tuple[str, ...],
-                          two_sided: bool = False):
-    """(mean loss, mean gradient, mean input statistics) of this device's tokens; with
+                          two_sided: bool = False, strided: bool = False,
+                          loss_fn: Callable = next_token_loss):
+    """(mean loss, mean gradient, mean input statistics) of this replica's tokens; with
     ``two_sided`` the statistics are ``(A, B)``, B the per-token output-side second moment
-    (:func:`gift_jax.whitening.capture.kfac_value_and_grad`)."""
+    (:func:`gift_jax.whitening.capture.kfac_value_and_grad`). ``strided``: microbatch ``i``
+    takes rows ``i, i + accum_steps, …`` (so each keeps the rows' split over ``fsdp``)
+    instead of a contiguous block. ``loss_fn``: ``(model, tokens) → loss``."""
 
     def one(p, toks):
         if capture_layers and two_sided:
             from gift_jax.whitening.capture import kfac_value_and_grad
 
-            fn = kfac_value_and_grad(next_token_loss, capture_layers)
+            fn = kfac_value_and_grad(loss_fn, capture_layers)
             (loss, stats), g = fn(model_def.merge(p), toks)
             return loss, nnx.to_pure_dict(g), stats
         if capture_layers:
             from gift_jax.whitening.capture import with_input_stats
 
-            fn = with_input_stats(next_token_loss, capture_layers)
+            fn = with_input_stats(loss_fn, capture_layers)
             (loss, stats), g = jax.value_and_grad(
                 lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
             return loss, g, stats
-        loss, g = jax.value_and_grad(lambda q: next_token_loss(model_def.merge(q), toks))(p)
+        loss, g = jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p)
         return loss, g, {}
 
     if accum_steps == 1:
         return one(params, tokens)
-    micro = tokens.reshape(accum_steps, tokens.shape[0] // accum_steps, tokens.shape[1])
+    if strided:
+        micro = tokens.reshape(tokens.shape[0] // accum_steps, accum_steps, tokens.shape[1])
+        micro = micro.transpose(1, 0, 2)
+    else:
+        micro = tokens.reshape(accum_steps, tokens.shape[0] // accum_steps, tokens.shape[1])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(one, params, micro[0]))
 
@@ -135,23 +169,39 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
     return jax.tree.map(lambda x: x / accum_steps, total)
 
 
+def _model_specs(layout: ParamLayout | None, mesh: Mesh, tree: Any) -> Any:
+    """The layout's specs of ``tree`` on a sharded mesh, else ``None`` (no constraint)."""
+    return layout.specs(tree) if layout is not None and model_axes(mesh) else None
+
+
 def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any, *,
-                  accum_steps: int = 1, refresh: bool = False) -> Callable:
+                  accum_steps: int = 1, refresh: bool = False,
+                  layout: ParamLayout | None = None) -> Callable:
     """``(params, opt_state, batch) → (params, opt_state, metrics)``, not yet jitted.
 
-    ``batch`` is int32 ``[global_batch, seq + 1]`` split over the data axes. ``metrics``:
-    ``loss`` (mean over the global batch), ``grad_norm`` (of the reduced gradient; NaN on a
-    skipped step), ``skipped`` (this step), ``skipped_total``.
+    ``batch`` is int32 ``[global_batch, seq + 1]`` split over the data axes (and ``fsdp``).
+    ``opt_specs``: the state's ``shard_map`` specs (data axes only); ``layout``: the
+    parameters' split over the model axes (a sharded mesh). ``metrics``: ``loss`` (mean over
+    the global batch), ``grad_norm`` (of the reduced gradient; NaN on a skipped step),
+    ``skipped`` (this step), ``skipped_total``.
     """
     axes = data_axes(mesh)
     plan = optimizer.plan
     # refresh variants capture the statistics of the layers a GIFT stage whitens (method gift,
     # or plumage with plumage.gift); the plan says which (none for every other variant)
     capture = plan.capture_layers(refresh)
+    sharded = bool(model_axes(mesh))
+    rows = P(FSDP_AXIS) if FSDP_AXIS in model_axes(mesh) else P()
 
     def body(params, opt_state, tokens):
+        specs = _model_specs(layout, mesh, params)
+        params = _constrain(params, specs)
+        if sharded:
+            tokens = jax.lax.with_sharding_constraint(tokens, rows)
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
-                                                   capture, plan.gift_two_sided)
+                                                   capture, plan.gift_two_sided, sharded,
+                                                   loss_for(mesh))
+        grads = _constrain(grads, specs)
         kwargs = plan.update_kwargs(refresh, stats)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)
         params = optax.apply_updates(params, updates)
@@ -163,22 +213,22 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
             "skipped": opt_state.last_skipped.astype(jnp.int32),
             "skipped_total": opt_state.skipped,
         }
-        return params, opt_state, metrics
+        return _constrain(params, specs), opt_state, metrics
 
-    batch_spec = P(axes)
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, batch_spec),
-                         out_specs=(P(), opt_specs, P()), check_vma=False)
+    return replica_map(body, mesh, (P(), opt_specs, P(axes)), (P(), opt_specs, P()))
 
 
-def eval_step_fn(model_def: ModelDef, mesh: Mesh) -> Callable:
+def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = None
+                 ) -> Callable:
     """Jitted ``(params, batch) → mean loss`` over the global batch."""
     axes = data_axes(mesh)
 
     def body(params, tokens):
-        return jax.lax.pmean(next_token_loss(model_def.merge(params), tokens), axes)
+        params = _constrain(params, _model_specs(layout, mesh, params))
+        loss_fn = loss_for(mesh)
+        return jax.lax.pmean(loss_fn(model_def.merge(params), tokens), axes)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(),
-                                 check_vma=False))
+    return jax.jit(replica_map(body, mesh, (P(), P(axes)), P()))
 
 
 def fidelity_available() -> bool:
@@ -187,7 +237,7 @@ def fidelity_available() -> bool:
 
 
 def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any,
-                accum_steps: int) -> Callable:
+                accum_steps: int, layout: ParamLayout | None = None) -> Callable:
     """Jitted ``(params, opt_state, batch) → {metric: value}``: one-step round trip of this
     run's reduction against the fp32 mean, on the first microbatch's per-device gradients.
 
@@ -202,15 +252,18 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
     axis = axes[0] if len(axes) == 1 else axes
 
     def body(params, opt_state, tokens):
-        micro = tokens[: tokens.shape[0] // accum_steps]
-        grads = jax.grad(lambda q: next_token_loss(model_def.merge(q), micro))(params)
+        # the first microbatch (strided on a sharded mesh: rows stay split over fsdp)
+        sharded = bool(model_axes(mesh))
+        micro = tokens[::accum_steps] if sharded else tokens[: tokens.shape[0] // accum_steps]
+        params = _constrain(params, _model_specs(layout, mesh, params))
+        grads = jax.grad(lambda q: loss_for(mesh)(model_def.merge(q), micro))(params)
+        grads = _constrain(grads, _model_specs(layout, mesh, params))
         ref = jax.tree.map(lambda g: jax.lax.pmean(g.astype(jnp.float32), axis), grads)
         approx, factors = optimizer.plan.roundtrip(optimizer.stage, grads, opt_state.inner)
         report = fidelity_report(approx, ref, factors, muon=None)["aggregate"]
         return {k: v.astype(jnp.float32) for k, v in report.items()}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axes)),
-                                 out_specs=P(), check_vma=False))
+    return jax.jit(replica_map(body, mesh, (P(), opt_specs, P(axes)), P()))
 
 
 class TrainStep:
@@ -225,16 +278,17 @@ class TrainStep:
 
     def __init__(self, model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, params: Params,
                  opt_state: OptState, *, global_batch: int, seq_len: int, accum_steps: int = 1,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None,
+                 layout: ParamLayout | None = None):
         self.model_def, self.optimizer, self.mesh = model_def, optimizer, mesh
         self.accum_steps = accum_steps
         self.compiler_options = dict(compiler_options or {})
-        self.opt_specs = state_specs(opt_state, mesh)
-        named = lambda spec: NamedSharding(mesh, spec)
-        is_spec = lambda x: isinstance(x, P)
-        self.param_shardings = jax.tree.map(lambda _: named(P()), params)
-        self.opt_shardings = jax.tree.map(named, self.opt_specs, is_leaf=is_spec)
-        self.batch_sharding = named(P(data_axes(mesh)))
+        self.layout = layout if layout is not None else ParamLayout({}, {})
+        full_specs = state_specs(opt_state, self.layout, mesh)
+        self.opt_specs = manual_specs(full_specs, mesh)  # the shard_map specs
+        self.param_shardings = shardings(self.layout.specs(params), mesh)
+        self.opt_shardings = shardings(full_specs, mesh)
+        self.batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
         abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         self._abstract = (
             jax.tree.map(abstract, params, self.param_shardings),
@@ -256,7 +310,8 @@ class TrainStep:
         refresh = bool(refresh) and True in self.variants()
         if refresh not in self._compiled:
             fn = train_step_fn(self.model_def, self.optimizer, self.mesh, self.opt_specs,
-                               accum_steps=self.accum_steps, refresh=refresh)
+                               accum_steps=self.accum_steps, refresh=refresh,
+                               layout=self.layout)
             scalar = NamedSharding(self.mesh, P())
             jitted = jax.jit(
                 fn,
@@ -282,7 +337,7 @@ class TrainStep:
         refresh = bool(refresh) and True in self.variants()
         if refresh not in self._wire:
             self._wire[refresh] = gift_jax.parse_hlo(self.compiled(refresh).as_text(),
-                                                     self.mesh.size)
+                                                     mesh=self.mesh)
         return self._wire[refresh]
 
     def variants(self) -> tuple[bool, ...]:

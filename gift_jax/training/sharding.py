@@ -1,0 +1,240 @@
+"""Where every array of a run lives on the mesh: parameters, gradients, optimizer state, batch.
+
+The mesh has up to three named axes (:mod:`.mesh`): ``data`` (replicas that communicate
+through the quantized reduction), ``fsdp`` (parameters, gradients and optimizer state split
+within a replica group, ZeRO-3 style; the batch is split over it too) and ``tensor``
+(Megatron-style: attention heads and the MLP hidden dimension). The model's parameters carry
+logical axis names (:data:`gift_jax.models.llama.LOGICAL_AXES`); a rule table maps each
+logical name to a mesh axis or to nothing (replicated), the maxtext/Flax convention:
+
+=========== ============== ===========================================================
+logical     default rule   dimension
+=========== ============== ===========================================================
+``vocab``   ``tensor``     vocabulary (embedding rows, head columns)
+``embed``   ``fsdp``       d_model (the input side of q/k/v/gate/up, the output of o/down)
+``heads``   ``tensor``     query heads × head_dim
+``kv_heads`` ``tensor``    key/value heads × head_dim
+``mlp``     ``tensor``     d_ff (SwiGLU hidden)
+``norm``    replicated     norm gains
+=========== ============== ===========================================================
+
+Optimizer state follows its parameter (:func:`state_specs`): a state leaf under a parameter's
+path is split like that parameter in every dimension it shares with it (trailing dimensions
+aligned), so Adam/Muon moments are sharded exactly like their parameters, PLUMAGE's projected
+moments ``(k, N)`` and projectors ``(n, k)`` keep the split of ``N`` / ``n`` and replicate the
+rank ``k``, GIFT's factors ``(n, r)`` keep the split of ``n``; scalars, counters and PRNG keys
+are replicated; error-feedback buffers are per device over every axis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gift_jax
+from gift_jax.comm.stage import LocalShards
+from gift_jax.models import LlamaConfig, logical_axes, param_shapes
+from gift_jax.training.config import ConfigError
+from gift_jax.training.mesh import MODEL_AXES, data_axes, model_axes
+
+#: The default logical-axis → mesh-axis rules (``mesh.rules`` in the config).
+DEFAULT_RULES: dict[str, str] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "norm": "",
+}
+
+
+def _rule_axis(rules: Mapping[str, str], name: str) -> str | None:
+    axis = rules.get(name, "")
+    if axis not in ("", *MODEL_AXES):
+        raise ConfigError(f"mesh.rules.{name}={axis!r} must be one of {['', *MODEL_AXES]} "
+                          "('' = replicated)")
+    return axis or None
+
+
+def param_specs(model_config: LlamaConfig, mesh_shape: Mapping[str, int],
+                rules: Mapping[str, str] = DEFAULT_RULES) -> dict[str, P]:
+    """``{path: PartitionSpec}`` of every parameter for a mesh of ``mesh_shape`` (axis → size).
+
+    Axes of size 1 are dropped from the specs. Raises :class:`ConfigError` (one line naming
+    the parameter, its shape and the axis) when a sharded dimension is not divisible by its
+    axis size, or when tensor parallelism would split an attention head.
+    """
+    unknown = sorted(set(rules) - set(DEFAULT_RULES))
+    if unknown:
+        raise ConfigError(f"mesh.rules has unknown logical axes {unknown}; allowed: "
+                          f"{sorted(DEFAULT_RULES)}")
+    size = lambda axis: mesh_shape.get(axis, 1) if axis else 1
+    for name, heads in (("heads", model_config.num_heads), ("kv_heads", model_config.kv_heads)):
+        axis = _rule_axis(rules, name)
+        if axis and heads % size(axis):
+            field = "num_heads" if name == "heads" else "num_kv_heads"
+            raise ConfigError(
+                f"mesh.{axis}={size(axis)} must divide model.{field}={heads} (mesh.rules."
+                f"{name}={axis!r} splits whole attention heads); choose mesh.{axis} among "
+                f"{[d for d in range(1, heads + 1) if heads % d == 0]} or map {name} to ''")
+    shapes = param_shapes(model_config, flat=True)
+    specs = {}
+    for path, names in logical_axes(model_config).items():
+        shape = shapes[path].shape
+        axes = []
+        for dim, name in zip(shape, names, strict=True):
+            axis = _rule_axis(rules, name)
+            if axis is None or size(axis) == 1:
+                axes.append(None)
+                continue
+            if axis in axes:
+                raise ConfigError(f"mesh.rules map two dimensions of {path} {tuple(shape)} "
+                                  f"({', '.join(names)}) to the mesh axis {axis!r}")
+            if dim % size(axis):
+                raise ConfigError(
+                    f"parameter {path} {tuple(shape)}: its {name} dimension ({dim}) is not "
+                    f"divisible by mesh.{axis}={size(axis)}; choose a mesh.{axis} that "
+                    f"divides {dim} or set mesh.rules.{name}=''")
+            axes.append(axis)
+        specs[path] = P(*axes)
+    return specs
+
+
+def like_parameter(spec: P, param_shape: tuple[int, ...], shape: tuple[int, ...]) -> P:
+    """The spec of an array that belongs to a parameter of ``param_shape`` split by ``spec``:
+    each dimension keeps the axis of the parameter's dimension of the same size — the one in
+    the same place counting from the right first (a moment is split like its parameter;
+    ``(k, N)`` coordinates keep ``N``'s split), else any other not yet used (a ``(N, k)``
+    projector of a parameter's second dimension keeps its split); the rest is replicated.
+
+    So a projector's rank ``k`` is not split: splitting it over the parameter's other axis
+    (to hold exactly 1/(fsdp·tensor) of the state) makes XLA's SPMD partitioner abort on
+    PLUMAGE's step (jax 0.10–0.12, a failed check in spmd_partitioner_util.cc)."""
+    entries = list(spec) + [None] * (len(param_shape) - len(spec))
+    out: list = [None] * len(shape)
+    used: set[int] = set()
+    for i in range(1, min(len(shape), len(param_shape)) + 1):
+        if shape[-i] == param_shape[-i]:
+            out[-i] = entries[-i]
+            used.add(len(param_shape) - i)
+    for k, size in enumerate(shape):
+        if out[k] is not None:
+            continue
+        for j, psize in enumerate(param_shape):
+            axis = entries[j]
+            if j not in used and psize == size and axis is not None and axis not in out:
+                out[k] = axis
+                used.add(j)
+                break
+    return P(*out)
+
+
+def _tokens(path) -> tuple[str, ...]:
+    """A key path as plain tokens; dict keys holding ``/``-joined parameter paths (GIFT's
+    per-layer states) are split, so a parameter's path appears as a run of tokens."""
+    out: list[str] = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            out.extend(str(key.key).split("/"))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            out.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            out.append(key.name)
+        else:
+            out.append(str(key))
+    return tuple(out)
+
+
+class ParamLayout:
+    """The parameters' shapes and specs, and the specs of anything that lives under a
+    parameter's path (gradients, coordinates, optimizer state)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], specs: Mapping[str, P]):
+        self._by_tokens = {tuple(path.split("/")): (tuple(shapes[path]), specs[path])
+                           for path in specs}
+        self._longest = max((len(t) for t in self._by_tokens), default=0)
+
+    @classmethod
+    def of(cls, model_config: LlamaConfig, mesh_shape: Mapping[str, int],
+           rules: Mapping[str, str] = DEFAULT_RULES) -> ParamLayout:
+        shapes = {p: s.shape for p, s in param_shapes(model_config, flat=True).items()}
+        return cls(shapes, param_specs(model_config, mesh_shape, rules))
+
+    def spec_at(self, path, shape: tuple[int, ...]) -> P | None:
+        """The spec of an array of ``shape`` at key ``path``: :func:`like_parameter` of the
+        last parameter path in it, or ``None`` when no parameter's path is in it."""
+        tokens = _tokens(path)
+        for end in range(len(tokens), 0, -1):
+            for start in range(max(0, end - self._longest), end):
+                hit = self._by_tokens.get(tokens[start:end])
+                if hit is not None:
+                    return like_parameter(hit[1], hit[0], tuple(shape))
+        return None
+
+    def specs(self, tree: Any) -> Any:
+        """Specs of a tree of arrays (replicated where no parameter path applies)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: self.spec_at(path, x.shape) or P(), tree)
+
+    def local_shards(self, mesh: Mesh) -> LocalShards | None:
+        """The all-reduce's :class:`~gift_jax.comm.stage.LocalShards` on ``mesh`` (``None``
+        without model axes of size > 1)."""
+        axes = model_axes(mesh)
+        return LocalShards(axes, self.specs) if axes else None
+
+
+def restrict(spec: P, axes: tuple[str, ...]) -> P:
+    """``spec`` with only the mesh axes in ``axes`` kept (for ``shard_map``'s specs, which
+    name only its manual axes)."""
+
+    def keep(entry):
+        if entry is None:
+            return None
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(keep(e) for e in spec))
+
+
+def state_specs(opt_state: Any, layout: ParamLayout, mesh: Mesh) -> Any:
+    """Whole-mesh ``PartitionSpec`` tree of an (abstract) optimizer state: error-feedback
+    buffers per device (:func:`gift_jax.partition_specs`), every leaf under a parameter's
+    path split like it (:meth:`ParamLayout.spec_at`), the rest replicated."""
+    axes = data_axes(mesh)
+    axis = axes[0] if len(axes) == 1 else axes
+    per_device = gift_jax.partition_specs(opt_state, axis, layout.local_shards(mesh))
+
+    def spec(path, x, device_spec):
+        if device_spec != P():
+            return device_spec
+        return layout.spec_at(path, x.shape) or P()
+
+    return jax.tree_util.tree_map_with_path(spec, opt_state, per_device)
+
+
+def shardings(specs: Any, mesh: Mesh) -> Any:
+    """``NamedSharding`` tree of a ``PartitionSpec`` tree."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def manual_specs(specs: Any, mesh: Mesh) -> Any:
+    """The ``shard_map`` specs (data axes only) of a whole-mesh spec tree."""
+    axes = data_axes(mesh)
+    return jax.tree.map(lambda s: restrict(s, axes), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays held by one device (the largest per-device total)."""
+    per_device: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            n = math.prod(shard.data.shape) * x.dtype.itemsize
+            per_device[shard.device] = per_device.get(shard.device, 0) + n
+    return max(per_device.values(), default=0)
