@@ -323,41 +323,59 @@ MP_OVERRIDES = SMOKE["fp8_block_sr_ef"][2]  # per-device EF buffers, SR keys, bl
 MP_STEPS = 3
 
 
-def _worker(port: int, process_id: int, out: str) -> None:
+def _assembled(x) -> np.ndarray:
+    """The whole of ``x`` from this process's shards (it holds a full copy: parameters are
+    replicated over ``data``, and each process holds whole replicas)."""
+    out = np.zeros(x.shape, x.dtype)
+    for s in x.addressable_shards:
+        out[s.index] = np.asarray(s.data)
+    return out
+
+
+#: Multi-process meshes: pure data parallelism, and (data=2 across the processes, fsdp=2,
+#: tensor=2) — each process holds one replica, split over its 4 devices.
+MP_MESHES = {"data": {}, "sharded": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+
+
+def _worker(port: int, process_id: int, out: str, mesh: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from gift_jax.training import initialize_distributed
 
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    result = run(small_config("fp8", "adamw", **MP_OVERRIDES), stop_after=MP_STEPS)
+    result = run(small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh]),
+                 stop_after=MP_STEPS)
     if process_id == 0:
-        flat = {str(i): np.asarray(x.addressable_shards[0].data)
-                for i, x in enumerate(jax.tree.leaves(result.params))}
+        flat = {str(i): _assembled(x) for i, x in enumerate(jax.tree.leaves(result.params))}
         np.savez(out, losses=[h["loss"] for h in result.history if "loss" in h], **flat)
     jax.distributed.shutdown()
 
 
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("mesh", list(MP_MESHES))
+def test_two_processes_match_one_process(tmp_path, mesh):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "mp.npz")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(port), str(i), out],
+    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(port), str(i), out, mesh],
                               env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    single = run(small_config("fp8", "adamw", **MP_OVERRIDES), stop_after=MP_STEPS)
+    single = run(small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh]),
+                 stop_after=MP_STEPS)
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     got = np.load(out)
     losses = [h["loss"] for h in single.history if "loss" in h]
+    # the logged loss is a pmean (gloo sums in another order); the parameters: bit for bit,
+    # so each process fed exactly its rows (the batch iterator's process slice)
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-6)
     for i, leaf in enumerate(jax.tree.leaves(single.params)):
-        np.testing.assert_array_equal(got[str(i)], np.asarray(leaf.addressable_shards[0].data))
+        np.testing.assert_array_equal(got[str(i)], np.asarray(leaf))
 
 
 if _WORKER:
-    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
 
 
 # ---- PLUMAGE + GIFT, and PLUMAGE that projects nothing ---------------------------------------
