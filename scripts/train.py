@@ -10,7 +10,9 @@ gift | plumage). ``--tokenizer`` sets ``data.tokenizer``: ``byte``, a SentencePi
 a Hugging Face ``PATH/tokenizer.json``, or ``spm:N`` / ``bpe:N`` trained on the train split
 (``model.vocab_size`` must be its vocabulary padded to a multiple of 128). Multi-host: pass
 ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (or set
-``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process.
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process, or
+``--coordinator_address auto`` where JAX detects the cluster (SLURM, Open MPI, TPU pods).
+Sharded training: ``--config.mesh.data/fsdp/tensor`` (README, "Training on a pod").
 On a CPU host the run is data-parallel over ``--cpu_devices`` simulated devices (8, as the
 demo; an ``XLA_FLAGS`` setting ``--xla_force_host_platform_device_count`` wins): on one device
 there is nothing to communicate. Bad settings end with one ``error:`` line naming the setting
@@ -55,7 +57,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     parser.add_argument("--stop_after", type=int, default=None,
                         help="stop after N steps of this call (checkpoint written; continue "
                              "with --resume)")
-    parser.add_argument("--coordinator_address", default=None, help="HOST:PORT of process 0")
+    parser.add_argument("--coordinator_address", default=None,
+                        help="HOST:PORT of process 0, or 'auto' (JAX detects the cluster)")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
     parser.add_argument("--no_progress", action="store_true", help="hide the progress bar")

@@ -6,8 +6,13 @@ hold 1/(fsdp·tensor) of the state per device, reduce only each device's local s
 ``data`` (from the HLO), and resume onto another mesh shape.
 """
 
+import json
 import math
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -36,6 +41,7 @@ from gift_jax.training.program import program_for
 from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout, param_specs
 from gift_jax.training.step import loss_for, replica_map
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 
 
@@ -112,7 +118,8 @@ def test_bad_mesh_settings_are_one_line_errors(fields, needle):
      "mesh.tensor=4 must divide model.num_kv_heads=2"),
     (dict(), {"tensor": 8}, {}, "mesh.tensor=8 must divide model.num_heads=4"),
     (dict(), {"fsdp": 2}, {"mlp": "data"}, "mesh.rules.mlp='data' must be one of"),
-    (dict(), {"fsdp": 2}, {"mlp": "fsdp"}, "map two dimensions of layers/0/mlp/down_proj/kernel (128, 64) (mlp, embed)"),
+    (dict(), {"fsdp": 2}, {"mlp": "fsdp"},
+     "map two dimensions of layers/0/mlp/down_proj/kernel (128, 64) (mlp, embed)"),
     (dict(), {"fsdp": 2}, {"hidden": "fsdp"}, "mesh.rules has unknown logical axes"),
 ])
 def test_bad_sharding_is_one_line_error_naming_the_parameter(model, mesh, rules, needle):
@@ -183,13 +190,16 @@ def test_cross_data_reduction_moves_only_the_local_shard_in_uint8():
 
 
 @pytest.mark.slow
-def test_fp32_losses_equal_on_every_mesh_shape():
+@pytest.mark.parametrize("optimizer, shapes", [("adamw", SHAPES),
+                                               ("muon", [(8, 1, 1), (2, 2, 2)])])
+def test_fp32_losses_equal_on_every_mesh_shape(optimizer, shapes):
+    """AdamW, and Muon's Newton–Schulz on split matrices (GSPMD): the same run."""
     losses = {}
-    for shape in SHAPES:
-        config = on_mesh(small_config("fp32", **{"train.log_every": 1}), shape)
+    for shape in shapes:
+        config = on_mesh(small_config("fp32", optimizer, **{"train.log_every": 1}), shape)
         result = run(config, stop_after=6)
         losses[shape] = [h["loss"] for h in result.history if "loss" in h]
-    for shape in SHAPES[1:]:
+    for shape in shapes[1:]:
         np.testing.assert_allclose(losses[shape], losses[(8, 1, 1)], rtol=2e-5)
 
 
@@ -243,3 +253,24 @@ def test_resume_onto_another_mesh_shape(tmp_path):
         else:
             np.testing.assert_allclose(losses, straight_losses[3:], atol=0.02)
         resumed.finish()
+
+
+@pytest.mark.slow
+def test_pod_compile_script_smoke(tmp_path):
+    """scripts/compile_pod.py on 16 simulated devices (its own process): a 2-layer tiny model
+    on (2, 4, 2), compiled and never run; fp8 crosses data at a quarter of the fp32 shard."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run(
+        [sys.executable, "scripts/compile_pod.py", "--config", "tiny", "--devices", "16",
+         "--mesh", "2,4,2", "--modes", "fp32,fp8", "--set", "model.num_layers=2",
+         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "tiny.json").read_text())}
+    assert rows["fp32"]["vs_fp32_shard"] == pytest.approx(1.0, abs=1e-3)
+    assert 0.25 <= rows["fp8"]["vs_fp32_shard"] <= 0.27
+    # a replica of 2 x 8 devices moves 1/(fsdp·tensor) of what replicated DP over 16 moves
+    assert rows["fp32"]["vs_replicated_dp"] == pytest.approx((1 / 8) * (1 / 2) / (15 / 16),
+                                                             rel=0.05)
+    assert rows["fp8"]["args_GiB"] > 0 and rows["fp8"]["replica_MiB"] > 0
+    assert (tmp_path / "tiny.md").read_text().startswith("| mode |")

@@ -11,7 +11,9 @@ compiler's. From the compiled executable:
   aliased to donated arguments;
 * bytes per device and step across the ``data`` axis, from the HLO's collectives whose groups
   span ``data`` (:meth:`gift_jax.WireReport.over`), against an fp32 all-reduce of the same
-  local shard and against an fp32 all-reduce of the whole model (replicated data parallelism).
+  local shard and against an fp32 all-reduce of the whole model (replicated data parallelism);
+  and the bytes of GSPMD's collectives inside a replica (``fsdp``/``tensor``: gathered
+  weights, reduced activations and gradients, and what GIFT/PLUMAGE add there).
 
 What a CPU compile does and does not tell: the partitioning (which arrays are split, which
 collectives GSPMD inserts, the quantized reduction's bytes) is decided before the backend and
@@ -34,7 +36,7 @@ import ml_collections
 
 from gift_jax.models import count_params
 from gift_jax.training.config import complete_config, set_fields, validate_config
-from gift_jax.training.mesh import data_axes, mesh_from_config
+from gift_jax.training.mesh import data_axes, mesh_from_config, model_axes
 from gift_jax.training.program import Program
 
 #: The communication modes compiled by default: ``label → (comm.codec, comm.method)``.
@@ -58,6 +60,7 @@ class PodCompile:
     temp_bytes: int  # per device
     output_bytes: int  # per device, not aliased to donated arguments
     data_bytes: float  # per device and step, collectives spanning 'data'
+    model_bytes: float  # per device and step, collectives inside a replica (fsdp/tensor)
     fp32_local_bytes: float  # an fp32 ring all-reduce of this device's shard over 'data'
     fp32_replicated_bytes: float  # an fp32 ring all-reduce of the whole model over all devices
     compile_s: float
@@ -72,6 +75,7 @@ class PodCompile:
                 "variant": "refresh" if self.refresh else "ordinary",
                 "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
                 "total_GiB": gib(self.total_bytes), "data_MiB": round(self.data_bytes / 2**20, 1),
+                "replica_MiB": round(self.model_bytes / 2**20, 1),
                 "vs_fp32_shard": round(self.data_bytes / self.fp32_local_bytes, 4),
                 "vs_replicated_dp": round(self.data_bytes / self.fp32_replicated_bytes, 4),
                 "compile_s": round(self.compile_s, 1)}
@@ -106,13 +110,14 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         compiled = program.step.compiled(variant)
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        report = program.step.wire_report(variant).over(data_axes(mesh))
+        report = program.step.wire_report(variant)
+        inside = report.within(model_axes(mesh)).total
         out.append(PodCompile(
             mode=mode, mesh=(data, fsdp, tensor), refresh=variant, params=n_params,
             argument_bytes=int(memory.argument_size_in_bytes),
             temp_bytes=int(memory.temp_size_in_bytes),
             output_bytes=int(memory.output_size_in_bytes - memory.alias_size_in_bytes),
-            data_bytes=report.total,
+            data_bytes=report.over(data_axes(mesh)).total, model_bytes=inside,
             fp32_local_bytes=2 * (replicas - 1) / replicas * local,
             fp32_replicated_bytes=2 * (n - 1) / n * 4 * n_params,
             compile_s=seconds))

@@ -109,6 +109,11 @@ class LlamaConfig:
         'one_hot': XLA's SPMD partitioner (jax 0.10–0.12) crashes on the gather's gradient
         when the table and the token rows are both split over mesh axes; it costs one
         ``2·tokens·vocab·d_model`` matmul, about the head's.
+      activation_axes: ``((logical, mesh axis), …)``: constrain the activations' shardings
+        (``batch``, ``heads``, ``kv_heads``, ``mlp``, ``vocab``; the residual stream's
+        ``d_model`` is never split) — the sharded trainer sets it so that GSPMD gathers
+        FSDP-split weights for each matmul (ZeRO-3) rather than reducing activations; ``()``
+        (the default): no constraint, the model runs anywhere.
     """
 
     vocab_size: int = 256
@@ -127,6 +132,7 @@ class LlamaConfig:
     attention_impl: str = "reference"
     remat: bool = False
     embed_lookup: str = "gather"
+    activation_axes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
@@ -168,6 +174,8 @@ class LlamaConfig:
                 raise ValueError(
                     f"LlamaConfig.{field} must be a bool, got {getattr(self, field)!r}."
                 )
+        object.__setattr__(self, "activation_axes",
+                           tuple((str(k), str(v)) for k, v in self.activation_axes))
         if self.embed_lookup not in _EMBED_LOOKUPS:
             raise ValueError(
                 f"LlamaConfig.embed_lookup must be one of {_EMBED_LOOKUPS}, got "
@@ -268,6 +276,16 @@ def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax
     return out.reshape(b, t, h, d)
 
 
+def constrain(x: jax.Array, cfg: LlamaConfig, *names: str | None) -> jax.Array:
+    """``x`` with its sharding constrained per ``cfg.activation_axes`` (one logical name or
+    ``None`` per dimension); the identity when the config sets none."""
+    if not cfg.activation_axes:
+        return x
+    rules = dict(cfg.activation_axes)
+    spec = jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -311,6 +329,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
@@ -327,6 +346,9 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = constrain(q, self.cfg, "batch", None, "heads", None)
+        k = constrain(k, self.cfg, "batch", None, "kv_heads", None)
+        v = constrain(v, self.cfg, "batch", None, "kv_heads", None)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         if self.impl == "jax":
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
@@ -339,12 +361,14 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(x W_gate) ⊙ (x W_up))``, ``silu(z) = z·σ(z)``."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
         self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
         self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
         self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(h, self.cfg, "batch", None, "mlp"))
 
 
 class Block(nnx.Module):
@@ -358,8 +382,9 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), angles)
-        return x + self.mlp(self.mlp_norm(x))
+        cfg = self.attn.cfg
+        x = constrain(x + self.attn(self.attn_norm(x), angles), cfg, "batch", None, None)
+        return constrain(x + self.mlp(self.mlp_norm(x)), cfg, "batch", None, None)
 
 
 def _block_forward(block: Block, x: jax.Array, angles: jax.Array) -> jax.Array:
@@ -428,12 +453,12 @@ class Llama(nnx.Module):
                            table, precision=jax.lax.Precision.HIGHEST).astype(cfg.compute_dtype)
         else:
             x = self.embed(tokens)
+        x = constrain(x, cfg, "batch", None, None)
         for block in self.layers:
             x = forward(block, x, angles)
         x = self.final_norm(x)
-        if self.lm_head is None:
-            return self.embed.attend(x)
-        return self.lm_head(x)
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return constrain(logits, cfg, "batch", None, "vocab")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -513,6 +513,7 @@ class Trainer:
             "skipped_steps": int(self.opt_state.skipped),
             "params": self.n_params,
             "devices": self.num_devices,
+            "mesh": {k: int(v) for k, v in self.program.mesh.shape.items()},
             "processes": jax.process_count(),
             "comm_codec": config.comm.codec,
             "comm_method": config.comm.method,

@@ -39,10 +39,18 @@ def initialize_distributed(
 
     Settings come from the arguments or, when absent, from the environment variables
     ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``. Without a
-    coordinator address nothing happens (a single-process run). Returns whether JAX was
-    initialized for several processes.
+    coordinator address nothing happens (a single-process run). The address ``"auto"`` lets
+    JAX detect the cluster (``jax.distributed.initialize()`` without arguments: SLURM, Open MPI,
+    Cloud TPU pods, Kubernetes JobSets — whatever this JAX version's cluster plugins know).
+    Returns whether JAX was initialized for several processes.
     """
     address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if address == "auto":
+        if num_processes is not None or process_id is not None:
+            raise ValueError("coordinator_address='auto' detects num_processes and process_id "
+                             "from the cluster: do not pass them")
+        jax.distributed.initialize()
+        return jax.process_count() > 1
     if not address:
         if num_processes not in (None, 1) or process_id not in (None, 0):
             raise ValueError(

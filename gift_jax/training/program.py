@@ -23,7 +23,7 @@ from gift_jax.models import LlamaConfig
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
 from gift_jax.training.mesh import data_axes, model_axes
 from gift_jax.training.method import Optimizer, build_optimizer
-from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout
+from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout, activation_axes
 from gift_jax.training.step import (
     TrainStep,
     eval_step_fn,
@@ -47,12 +47,14 @@ class Program:
         tc = config.train
         self.mesh = mesh
         self.model_config = LlamaConfig.from_mapping(config.model)
-        if model_axes(mesh):  # a gather's gradient does not partition there (see LlamaConfig)
-            self.model_config = dataclasses.replace(self.model_config, embed_lookup="one_hot")
-        self.model_def = model_def_of(self.model_config)
-        self.update_rule = update_rule  # kept alive: its id is part of the cache key
         self.layout = ParamLayout.of(self.model_config, dict(mesh.shape),
                                      dict(config.mesh.get("rules", DEFAULT_RULES)))
+        if model_axes(mesh):  # see LlamaConfig: embed_lookup, activation_axes
+            self.model_config = dataclasses.replace(
+                self.model_config, embed_lookup="one_hot",
+                activation_axes=activation_axes(mesh, dict(config.mesh.rules)))
+        self.model_def = model_def_of(self.model_config)
+        self.update_rule = update_rule  # kept alive: its id is part of the cache key
         self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh), update_rule,
                                                     shards=self.layout.local_shards(mesh))
         self.init_params = params_init_fn(self.model_config, tc.seed, mesh, self.layout)

@@ -188,6 +188,22 @@ class ParamLayout:
         return LocalShards(axes, self.specs) if axes else None
 
 
+def activation_axes(mesh: Mesh, rules: Mapping[str, str] = DEFAULT_RULES
+                    ) -> tuple[tuple[str, str], ...]:
+    """The model's activation constraints on a sharded mesh
+    (:attr:`~gift_jax.models.LlamaConfig.activation_axes`): rows over ``fsdp``, heads / MLP
+    hidden / vocabulary over the axes their weights use, the residual stream's ``d_model``
+    whole. So every FSDP-split weight is gathered for its matmul and the activations stay
+    split by rows (ZeRO-3), and tensor-parallel matmuls reduce over ``tensor`` only
+    (Megatron); without them GSPMD may split the contraction over ``fsdp`` and all-reduce
+    activations instead (on the 1B model, ~10× the bytes)."""
+    axes = model_axes(mesh)
+    out = [("batch", "fsdp")] if "fsdp" in axes else []
+    out += [(name, rules[name]) for name in ("heads", "kv_heads", "mlp", "vocab")
+            if rules.get(name) in axes and rules.get(name) != "fsdp"]
+    return tuple(out)
+
+
 def restrict(spec: P, axes: tuple[str, ...]) -> P:
     """``spec`` with only the mesh axes in ``axes`` kept (for ``shard_map``'s specs, which
     name only its manual axes)."""

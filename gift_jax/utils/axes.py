@@ -25,6 +25,15 @@ def axis_size(axis_name: AxisName) -> int:
         ) from e
 
 
+def pmean(x, axis_name: AxisName | None):
+    """``jax.lax.pmean`` over the replicas of ``axis_name``; the identity for ``None`` or a
+    size-1 axis (where XLA's SPMD partitioner refuses an all-reduce of a value that is split
+    over other, GSPMD-partitioned axes: a ``data=1`` sharded mesh)."""
+    if axis_name is None or axis_size(axis_name) == 1:
+        return x
+    return jax.lax.pmean(x, axis_name)
+
+
 _GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
 
 

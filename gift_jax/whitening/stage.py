@@ -93,6 +93,7 @@ from gift_jax import whitening as wh
 from gift_jax.comm.codecs import roundtrip
 from gift_jax.comm.collectives import resolve_codecs
 from gift_jax.comm.stage import allreduce_axis, allreduce_spec, reframe_error_feedback
+from gift_jax.utils.axes import pmean
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
 from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
@@ -498,9 +499,7 @@ def gift(
         poisoned); a layer with no statistic yet (zero trace) takes the new one as is."""
         new, finite = {}, {}
         for path, a in given.items():
-            a = jnp.asarray(a, jnp.float32).reshape(old[path].shape)
-            if axis_name is not None:
-                a = jax.lax.pmean(a, axis_name)
+            a = pmean(jnp.asarray(a, jnp.float32).reshape(old[path].shape), axis_name)
             ok = jnp.all(jnp.isfinite(a), axis=(-2, -1))
             fresh = jnp.trace(old[path], axis1=-2, axis2=-1) == 0
             upd = jnp.where(fresh[:, None, None], a, ema * old[path] + (1.0 - ema) * a)
@@ -622,8 +621,7 @@ def gift(
         for path, lay in sel.items():
             e = route_errors(leaves[path], lay, state.factors[path], codecs[path], route_frame,
                              route_adam_eps)
-            if axis_name is not None:
-                e = jax.lax.pmean(e, axis_name)
+            e = pmean(e, axis_name)
             use[path] = e[1] < e[0]
             err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
         return state._replace(use_whitening=use, route_error=err)
