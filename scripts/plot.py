@@ -3,6 +3,8 @@
     python scripts/plot.py runs/a runs/b --labels fp32,gift --out runs/loss.png
     python scripts/plot.py runs/a/fp8 runs/b/fp8 --reference a/fp8   # + difference panel
 
+With ``--reference``, a markdown table of each run's differences to it is printed as well.
+
 Runs are labelled by the shortest path suffix that tells them apart (``a/fp8``, ``b/fp8``);
 no run is dropped. A missing workdir ends with one ``error:`` line (exit status 2).
 """
@@ -10,7 +12,7 @@ no run is dropped. A missing workdir ends with one ``error:`` line (exit status 
 import argparse
 import sys
 
-from gift_jax.apps.plotting import path_labels, plot_runs, unique_labels
+from gift_jax.apps.plotting import difference_table, path_labels, plot_runs, unique_labels
 
 
 def main(argv=None) -> int:
@@ -30,9 +32,11 @@ def main(argv=None) -> int:
     if args.reference is not None and args.reference not in labels:
         ap.error(f"--reference {args.reference!r} is not a run label; labels: "
                  f"{', '.join(labels)}")
+    runs = list(zip(labels, args.workdirs, strict=True))
     try:
-        png = plot_runs(list(zip(labels, args.workdirs, strict=True)), args.out, args.title,
-                        reference=args.reference)
+        png = plot_runs(runs, args.out, args.title, reference=args.reference)
+        if args.reference is not None:
+            print(difference_table(runs, args.reference))
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

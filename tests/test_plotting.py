@@ -72,6 +72,9 @@ def test_plot_script_draws_runs_sharing_a_folder_name(tmp_path, capsys, monkeypa
     assert main([str(a), str(b), "--out", str(out), "--reference", "a/fp8"]) == 0
     assert drawn["runs"] == [("a/fp8", str(a)), ("b/fp8", str(b))]
     assert _png_size(out)[1] == 2 * 4.5 * 120  # two panels: the curves and the difference
+    table = capsys.readouterr().out
+    assert "| b/fp8 | 2.00e-01 | 4.300000 | +2.00e-01 |" in table  # max |Δ train|, Δ eval
+    assert "| a/fp8 | 0.00e+00 | 4.100000 | +0.00e+00 |" in table
 
 
 def test_plot_script_missing_directory_is_one_line(tmp_path, capsys):

@@ -71,6 +71,23 @@ def _series(records: Iterable[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in records if key in r]
 
 
+def difference_table(runs: Sequence[tuple[str, str | os.PathLike]], reference: str) -> str:
+    """Markdown: per run, the largest ``|train loss − reference's|`` over the steps both
+    logged, and the last eval losses' difference."""
+    records = {label: read_metrics(workdir) for label, workdir in runs}
+    ref_train, ref_eval = _series(records[reference], "loss"), _series(records[reference],
+                                                                      "eval/loss")
+    lines = [f"| run | max abs train-loss difference to {reference} | last eval loss "
+             "| difference |", "|---|---|---|---|"]
+    for label, recs in records.items():
+        diffs = [abs(d) for _, d in difference_to(ref_train, _series(recs, "loss"))]
+        last = _series(recs, "eval/loss")[-1:] or [(None, float("nan"))]
+        gap = last[0][1] - (ref_eval[-1][1] if ref_eval else float("nan"))
+        lines.append(f"| {label} | {max(diffs, default=float('nan')):.2e} | {last[0][1]:.6f} "
+                     f"| {gap:+.2e} |")
+    return "\n".join(lines)
+
+
 def plot_runs(runs: Mapping[str, str | os.PathLike] | Sequence[tuple[str, str | os.PathLike]],
               out_png: str | os.PathLike, title: str = "",
               reference: str | None = None, smooth_window: int = 5) -> pathlib.Path:
