@@ -28,6 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.remat = True  # recompute each block's activations in the backward pass
 
     config.train.seq_len = 2048  # tokens per sequence
+    # 512 x 2048 tokens per step: 8 microbatches (one reduction per step), so a device of an
+    # fsdp=8 replica holds one 2048-token sequence's activations at a time
+    config.train.grad_accum_steps = 8
     config.plumage.rank = 1024  # projection rank
 
     config.mesh.data = -1  # replicas across nodes: the quantized reduction's axis

@@ -13,7 +13,10 @@ A checkpoint holds two items:
 
 Every random choice of a run lives in the optimizer state (keys) or is a pure function of
 ``(seed, step)`` (the data order), so restoring these items continues the run bit-exactly.
-A checkpoint written with a different config is refused with the list of differing fields.
+A checkpoint written with a different config is refused with the list of differing fields,
+except the mesh (``mesh.data/fsdp/tensor/rules``): every array is a global array, restored
+onto the new run's shardings, so a run resumes on another mesh shape; only the per-device
+error-feedback buffers whose meaning follows the mesh restart from zero (with a warning).
 """
 
 from __future__ import annotations
