@@ -204,9 +204,9 @@ class FrontierSettings:
     steps: int = 200
     eval_every: int = 50
     eval_batches: int = 8
-    refresh_every: int = 10
+    refresh_every: int = 50
     min_refresh_every: int = 10
-    max_refresh_every: int = 50
+    max_refresh_every: int = 200
     model: tuple[tuple[str, Any], ...] = ()
     train: tuple[tuple[str, Any], ...] = ()
 
