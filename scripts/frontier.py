@@ -75,7 +75,8 @@ def main() -> None:
     else:
         records = F.run_grid(cells, seeds, s, a.out, configs_dir=CONFIGS)
     rows = F.summarize(records)
-    md = F.format_table(rows)
+    md = (F.format_table(rows) + "\n\nTransports head to head (paired over seeds; negative: "
+          "a ends lower than b):\n\n" + F.format_comparisons(F.transport_comparisons(records)))
     print(md)
     print(f"total {time.perf_counter() - t0:.0f} s")
     os.makedirs(a.out, exist_ok=True)

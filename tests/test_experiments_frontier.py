@@ -97,3 +97,14 @@ def test_two_run_slice_end_to_end(source, tmp_path):
     png = F.plot_frontier(list(rows.values()), tmp_path / "frontier.png")
     assert png.stat().st_size > 0
     assert F.load_records(tmp_path, TINY) and not F.load_records(tmp_path, F.FrontierSettings())
+
+
+def test_transport_comparisons_pair_cells_of_one_codec():
+    recs = [{"cell": c.name, "seed": s, "final_eval": v + 0.01 * s}
+            for c, v in ((F.Cell("nvfp4", "gift"), 2.0), (F.Cell("nvfp4"), 2.1),
+                         (F.Cell("fp8_e4m3"), 2.2)) for s in range(3)]
+    rows = F.transport_comparisons(recs)
+    assert len(rows) == 1 and (rows[0]["codec"], rows[0]["a"], rows[0]["b"]) == (
+        "nvfp4", "gift", "euclidean")
+    assert rows[0]["mean"] == pytest.approx(-0.1)
+    assert "gift − euclidean" in F.format_comparisons(rows)

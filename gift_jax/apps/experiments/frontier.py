@@ -26,8 +26,9 @@ What is reported per cell (:func:`summarize`):
   removes the seed-to-seed spread of the loss itself (the fp32 runs' spread, reported as
   ``ref_sd``), which is larger than most wire effects at this scale.
 
-:func:`paired_difference` compares two cells the same way (e.g. GIFT − Euclidean at one
-codec: negative means GIFT's runs end lower on the same seeds).
+:func:`paired_difference` compares two cells the same way, and :func:`transport_comparisons`
+every transport pair of :data:`COMPARISONS` at one codec (e.g. GIFT − Euclidean: negative
+means GIFT's runs end lower on the same seeds).
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ from gift_jax.training.config import complete_config, load_config, set_fields
 __all__ = [
     "ACCUMULATIONS",
     "CODECS",
+    "COMPARISONS",
     "OPTIMIZERS",
     "SLICES",
     "TRANSPORTS",
     "Cell",
     "FrontierSettings",
     "cross_product",
+    "format_comparisons",
     "format_table",
     "load_records",
     "paired_difference",
@@ -67,6 +70,7 @@ __all__ = [
     "summarize",
     "t_interval",
     "trainer_config",
+    "transport_comparisons",
 ]
 
 CODECS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
@@ -445,6 +449,41 @@ def format_table(rows: Sequence[dict]) -> str:
             f"{r['wire_bytes'] / 1e6:.3f} | {r['wire_ratio']:.3f} | "
             f"{r['loss']:.4f} ± {r['loss_sd']:.4f} | {mean_sd} | {ci} | {sig} | "
             f"{r['refreshes']:.0f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+#: Transport pairs compared head to head at one (codec, accumulation, optimizer): ``a − b``.
+COMPARISONS = (("gift", "euclidean"), ("gift_adaptive", "gift"), ("gift_routed", "gift"),
+               ("ef", "euclidean"), ("gift_ef", "ef"), ("gift_ef", "gift"))
+
+
+def transport_comparisons(records: Sequence[dict], level: float = 0.95) -> list[dict]:
+    """Paired differences ``L_a(s) − L_b(s)`` between transports of :data:`COMPARISONS` at
+    the same codec, accumulation and optimizer, wherever both cells were run: negative means
+    ``a`` ends lower than ``b`` on the same seeds."""
+    names = {r["cell"] for r in records}
+    rows = []
+    for name in sorted(names):
+        cell = Cell.parse(name)
+        for ta, tb in COMPARISONS:
+            if cell.transport != ta:
+                continue
+            other = dataclasses.replace(cell, transport=tb)
+            if other.name in names:
+                rows.append({"codec": cell.codec, "accumulate": cell.accumulate,
+                             "optimizer": cell.optimizer, "a": ta, "b": tb,
+                             **paired_difference(records, cell, other, level)})
+    return rows
+
+
+def format_comparisons(rows: Sequence[dict]) -> str:
+    """The markdown table of :func:`transport_comparisons`."""
+    lines = ["| optimizer | accumulate | codec | a − b | mean ± sd | paired 95% interval | "
+             "beyond seed noise? | n |", "|---|---|---|---|---|---|---|---:|"]
+    for r in rows:
+        mean_sd, ci, sig = _fmt_gap(r)
+        lines.append(f"| {r['optimizer']} | {r['accumulate']} | {r['codec']} | "
+                     f"{r['a']} − {r['b']} | {mean_sd} | {ci} | {sig} | {r['n']} |")
     return "\n".join(lines)
 
 
