@@ -14,7 +14,7 @@ What is reported per cell (:func:`summarize`):
 
 * **wire bytes per step per device**, from the compiled HLO of the train step
   (``Trainer.wire``, :func:`gift_jax.comm.wire.wire_bytes`), averaged over ordinary and
-  refresh steps by the run's refresh fraction;
+  refresh steps by the run's actual refreshes (:func:`wire_per_step`);
 * the **paired loss gap** ``d_s = L_cell(s) − L_ref(s)`` of the final eval loss to the same
   seed's fp32 run of the same optimizer (for PLUMAGE: PLUMAGE's fp32 run, so the gap is the
   wire format's, not the projection's), over seeds ``s = 1..n``:
@@ -71,6 +71,7 @@ __all__ = [
     "t_interval",
     "trainer_config",
     "transport_comparisons",
+    "wire_per_step",
 ]
 
 CODECS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
@@ -274,7 +275,7 @@ def run_cell(cell: Cell, s: FrontierSettings, seed: int, source, *,
     """Trains one cell for one seed with the library's :class:`~gift_jax.training.Trainer`
     (data-parallel over ``devices``, default all) and returns its record (JSON-able):
     ``cell``, ``seed``, the eval curve, the final eval loss, wire bytes per step per device
-    (``wire_bytes``: the refresh-weighted mean; ``wire_bytes_by_variant``), the fp32 ring
+    (``wire_bytes``: :func:`wire_per_step`; ``wire_bytes_by_variant``), the fp32 ring
     reference, the number of refresh steps, skipped steps and seconds."""
     from gift_jax.training.loop import Trainer
 
@@ -292,11 +293,10 @@ def run_cell(cell: Cell, s: FrontierSettings, seed: int, source, *,
     final = evals[-1]["eval/loss"]
     if not math.isfinite(final):
         raise FloatingPointError(f"{cell.name} seed {seed}: non-finite final eval loss")
-    return {
+    rec = {
         "cell": cell.name, "seed": seed,
         "eval_steps": [r["step"] for r in evals], "eval_loss": [r["eval/loss"] for r in evals],
         "final_eval": final,
-        "wire_bytes": summary["wire_bytes_per_step_mean"],
         "wire_bytes_by_variant": summary["wire_bytes_per_step"],
         "wire_fp32_reference": summary["wire_fp32_reference"],
         "refreshes": sum(int(r.get("refreshes", 0)) for r in trainer.history),
@@ -304,6 +304,21 @@ def run_cell(cell: Cell, s: FrontierSettings, seed: int, source, *,
         "seconds": summary["compile_s"] + summary["train_s"] + summary["eval_s"],
         "settings": s.asdict(),
     }
+    rec["wire_bytes"] = wire_per_step(rec)
+    return rec
+
+
+def wire_per_step(record: dict) -> float:
+    """Mean wire bytes per step per device of a run from its *actual* refreshes:
+    ``ordinary + (refreshes / steps) · (refresh − ordinary)`` with the two variants' HLO bytes
+    (the trainer's summary weights them by the nominal ``1/K``, which an adaptive schedule
+    does not keep)."""
+    by = record["wire_bytes_by_variant"]
+    ordinary = by["ordinary"]
+    if "refresh" not in by:
+        return float(ordinary)
+    steps = record["settings"]["steps"]
+    return float(ordinary + record["refreshes"] / steps * (by["refresh"] - ordinary))
 
 
 def record_path(out: str | os.PathLike, cell: Cell, seed: int) -> pathlib.Path:
@@ -411,8 +426,8 @@ def summarize(records: Sequence[dict], level: float = 0.95) -> list[dict]:
         ref = [r["final_eval"] for r in _by_seed(records, cell.reference.name).values()]
         row = {
             "cell": name, **dataclasses.asdict(cell), "n": len(mine),
-            "wire_bytes": float(np.mean([r["wire_bytes"] for r in mine])),
-            "wire_ratio": float(np.mean([r["wire_bytes"] / r["wire_fp32_reference"]
+            "wire_bytes": float(np.mean([wire_per_step(r) for r in mine])),
+            "wire_ratio": float(np.mean([wire_per_step(r) / r["wire_fp32_reference"]
                                          for r in mine])),
             "loss": float(losses.mean()),
             "loss_sd": float(losses.std(ddof=1)) if len(mine) > 1 else float("nan"),
