@@ -6,7 +6,7 @@ Example (the measurement in docs/frontier_results.md)::
 
 Every run is the library's trainer (``gift_jax.training.Trainer``) data-parallel over
 ``--cpu_devices`` simulated CPU devices (8). Each finished run is written to
-``OUT/runs/<codec>/<transport>/acc-<accumulate>/<optimizer>/seed<S>.json`` at once, so an
+``OUT/records/<codec>/<transport>/acc-<accumulate>/<optimizer>/seed<S>.json`` at once, so an
 interrupted grid resumes where it stopped (runs with other settings are not reused). Then
 ``OUT/table.md``, ``OUT/summary.json`` and the Pareto plot ``OUT/frontier.png`` are written
 (``--report_only``: only this, from the records on disk).

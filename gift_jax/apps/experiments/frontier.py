@@ -322,8 +322,8 @@ def wire_per_step(record: dict) -> float:
 
 
 def record_path(out: str | os.PathLike, cell: Cell, seed: int) -> pathlib.Path:
-    """``out/runs/<codec>/<transport>/acc-<acc>/<optimizer>/seed<seed>.json``."""
-    return pathlib.Path(out, "runs", cell.name, f"seed{seed}.json")
+    """``out/records/<codec>/<transport>/acc-<acc>/<optimizer>/seed<seed>.json``."""
+    return pathlib.Path(out, "records", cell.name, f"seed{seed}.json")
 
 
 def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, out: str, *,
@@ -364,8 +364,8 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, o
 
 
 def load_records(out: str | os.PathLike, settings: FrontierSettings | None = None) -> list[dict]:
-    """Every record under ``out/runs`` (with ``settings``: only those run with them)."""
-    paths = sorted(pathlib.Path(out, "runs").rglob("seed*.json"))
+    """Every record under ``out/records`` (with ``settings``: only those run with them)."""
+    paths = sorted(pathlib.Path(out, "records").rglob("seed*.json"))
     recs = [json.loads(p.read_text()) for p in paths]
     if settings is not None:
         recs = [r for r in recs if r.get("settings") == settings.asdict()]
