@@ -7,6 +7,8 @@ tables, JSON and PNG plots into --out.
 
     python scripts/roundtrip.py --out /tmp/gift_exp/roundtrip
     python scripts/roundtrip.py --train_steps 20 --capture_steps 2 --staleness_steps 0 --out /tmp/x
+    # refresh schedules only (fresh, fixed K, adaptive; docs/gift_refresh_schedule.png):
+    python scripts/roundtrip.py --skip_tables --staleness_steps 0 --schedule_steps 100 --out /tmp/s
 """
 
 import argparse
@@ -40,6 +42,11 @@ def main(argv=None):
     ap.add_argument("--staleness_steps", type=int, default=100,
                     help="largest k of the staleness ablation (0 skips it)")
     ap.add_argument("--staleness_codec", default="fp8_e4m3")
+    ap.add_argument("--schedule_steps", type=int, default=0,
+                    help="steps of the refresh-schedule comparison (fixed K vs adaptive; 0 "
+                    "skips it)")
+    ap.add_argument("--skip_tables", action="store_true",
+                    help="skip the round-trip tables (run only the ablations asked for)")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -53,9 +60,10 @@ def main(argv=None):
         load_config(args.config, CONFIGS), train_steps=args.train_steps,
         capture_steps=args.capture_steps,
         replicas=args.replicas, local_batch=args.local_batch, seed=args.seed,
-        schedule_steps=args.train_steps + args.capture_steps + args.staleness_steps)
+        schedule_steps=args.train_steps + args.capture_steps + max(args.staleness_steps,
+                                                                   args.schedule_steps))
     methods = rt.default_methods([int(r) for r in args.ranks.split(",")], args.remainder)
-    rows = rt.roundtrip_experiment(
+    rows = [] if args.skip_tables else rt.roundtrip_experiment(
         caps, methods=methods, codecs=args.codecs.split(","),
         accumulations=args.accumulate.split(","), damping=args.damping)
     md = [f"<!-- {command} -->",
@@ -63,8 +71,9 @@ def main(argv=None):
           f"{args.train_steps}..{args.train_steps + args.capture_steps - 1}), R={args.replicas} "
           f"replicas x {args.local_batch} sequences; last logged training loss "
           f"{trainer.losses[-1] if trainer.losses else float('nan'):.3f}.",
-          rt.roundtrip_markdown(rows)]
-    rt.plot_roundtrip(rows, str(out / "roundtrip.png"), args.codecs.split(",")[0])
+          rt.roundtrip_markdown(rows) if rows else ""]
+    if rows:
+        rt.plot_roundtrip(rows, str(out / "roundtrip.png"), args.codecs.split(",")[0])
     result = {"command": command, "rows": rows}
     (out / "roundtrip.md").write_text("\n".join(md))  # the tables, before the ablation
     print("\n".join(md), flush=True)
@@ -77,6 +86,14 @@ def main(argv=None):
         md.append(rt.staleness_markdown(st))
         rt.plot_staleness(st, str(out / "staleness.png"))
         result["staleness"] = st
+    if args.schedule_steps > 0:
+        sch = rt.refresh_schedule_experiment(trainer, steps=args.schedule_steps,
+                                             replicas=args.replicas,
+                                             local_batch=args.local_batch,
+                                             codec=args.staleness_codec, damping=args.damping)
+        md.append(rt.refresh_schedule_markdown(sch))
+        rt.plot_refresh_schedules(sch, str(out / "refresh_schedule.png"))
+        result["refresh_schedules"] = sch
     (out / "roundtrip.md").write_text("\n".join(md))
     (out / "roundtrip.json").write_text(json.dumps(result, indent=1, default=float))
     print("\n".join(md))

@@ -88,6 +88,9 @@ __all__ = [
     "evaluate_method",
     "make_replica_fn",
     "markdown_table",
+    "plot_refresh_schedules",
+    "refresh_schedule_experiment",
+    "refresh_schedule_markdown",
     "roundtrip_experiment",
     "simulate_allreduce",
     "staleness_experiment",
@@ -679,6 +682,142 @@ def staleness_experiment(
             summary.append(row)
     return {"offsets": done, "curves": curves, "summary": summary, "start_step": start,
             "codec": codec, "accumulate": accumulate, "layers": len(paths)}
+
+
+def _coverage(factor, g_mean: jax.Array) -> np.ndarray:
+    """Per-layer :func:`gift_jax.whitening.stage.basis_coverage` of a stacked factor on the
+    stacked mean gradient (L, n, m): the adaptive refresh's staleness signal."""
+    from gift_jax.whitening.stage import basis_coverage
+
+    return np.asarray(jax.vmap(basis_coverage)(factor, g_mean))
+
+
+def refresh_schedule_experiment(
+    trainer: Trainer,
+    *,
+    steps: int = 100,
+    fixed: Sequence[int] = (10, 50),
+    thresholds: Sequence[float] = (0.8, 0.9, 0.95),
+    min_every: int = 10,
+    max_every: int = 200,
+    rank: int = 32,
+    replicas: int = 8,
+    local_batch: int = 2,
+    patterns: Sequence[str] = ("*/mlp/down_proj",),
+    codec: str = "fp8_e4m3",
+    accumulate: str = "fp32",
+    damping: float = 1e-3,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Whitened-frame error of the rank-``rank`` factor under refresh schedules, step by step.
+
+    Over ``steps`` consecutive training steps (the trainer keeps stepping with the exact
+    gradient), every step's replica gradients are sent through the simulated all-reduce with
+    the factor each schedule holds at that step:
+
+    * ``fresh``: rebuilt from this step's ``Ā`` (a refresh every step, the yardstick);
+    * ``K=k`` for k in ``fixed``: rebuilt every k steps;
+    * ``adaptive τ`` for τ in ``thresholds``: the library's rule
+      (:func:`gift_jax.whitening.stage.refresh_due_adaptive`): refresh at the first step, after
+      ``max_every`` steps, or after at least ``min_every`` steps once the coverage ratio
+      ``c_{t−1}/c_ref < τ``, where ``c = ‖BᵀSG‖²/‖SG‖²`` is the basis coverage of the (exact)
+      mean gradient of the previous step with the factor then in use, ``c_ref`` its value on
+      the last refresh step, and the ratio the minimum over the layers.
+
+    Returns the per-step whitened error of every schedule, its refresh steps, and per schedule
+    ``mean`` (mean whitened error), ``ratio`` (mean / fresh's mean), ``worst_ratio`` (max over
+    steps of error / fresh's error) and ``refreshes``.
+    """
+    method = Method(f"rank-{rank} A", "input", "lowrank_diag", rank=rank)
+    fn = make_replica_fn(trainer.graphdef, patterns, replicas)
+    names = ["fresh", *(f"K={k}" for k in fixed), *(f"adaptive {t:g}" for t in thresholds)]
+    held: dict[str, Any] = {n: None for n in names}  # the capture the factor was built from
+    since = {n: 0 for n in names}
+    ratio = {n: 1.0 for n in names}  # the adaptive signal of the previous step
+    ref_cov: dict[str, np.ndarray] = {}
+    errors = {n: [] for n in names}
+    refresh_steps = {n: [] for n in names}
+    start, t0 = trainer.step, time.perf_counter()
+    for t in range(steps):
+        if t:
+            trainer.advance(1)
+        cap = capture_replicas(trainer, fn, replicas * local_batch)
+        paths = group_paths(cap, patterns)
+        g_mean = jnp.mean(_stack(cap.grads, paths), axis=1)
+        for n in names:
+            if n == "fresh":
+                due = True
+            elif n.startswith("K="):
+                due = held[n] is None or since[n] >= int(n[2:])
+            else:
+                tau = float(n.split()[1])
+                due = (held[n] is None or since[n] >= max_every
+                       or (since[n] >= min_every and ratio[n] < tau))
+            if due:
+                held[n], since[n] = cap, 0
+                refresh_steps[n].append(trainer.step)
+            factor = _cached_factor(method, held[n], paths, damping)
+            caps = [cap] if held[n] is cap else [held[n], cap]
+            res = evaluate_method(caps, paths, method, codec=codec, accumulate=accumulate,
+                                  factor_step=0, damping=damping)
+            errors[n].append(res["steps"][-1]["whitened"])
+            if n.startswith("adaptive"):
+                cov = _coverage(factor, g_mean)
+                if due:
+                    ref_cov[n] = cov
+                ratio[n] = float(np.min(np.where(ref_cov[n] > 0, cov / np.where(
+                    ref_cov[n] > 0, ref_cov[n], 1.0), 1.0)))
+            since[n] += 1
+        if verbose and (t % 10 == 0 or t == steps - 1):
+            print(f"  schedules step {trainer.step} ({time.perf_counter() - t0:.0f}s): "
+                  + ", ".join(f"{n} {errors[n][-1]:.3f}" for n in names), flush=True)
+    fresh = np.asarray(errors["fresh"])
+    summary = [dict(schedule=n, refreshes=len(refresh_steps[n]), mean=float(np.mean(errors[n])),
+                    ratio=float(np.mean(errors[n]) / fresh.mean()),
+                    worst_ratio=float(np.max(np.asarray(errors[n]) / fresh)))
+               for n in names]
+    return {"start_step": start, "steps": steps, "errors": errors,
+            "refresh_steps": refresh_steps, "summary": summary, "codec": codec,
+            "accumulate": accumulate, "rank": rank, "min_every": min_every,
+            "max_every": max_every, "layers": len(paths)}
+
+
+def refresh_schedule_markdown(res: dict[str, Any]) -> str:
+    """The schedules' table: refreshes, mean whitened-frame error, and its ratio to fresh."""
+    head = (f"\n#### Refresh schedules — rank-{res['rank']} A, steps {res['start_step']}.."
+            f"{res['start_step'] + res['steps'] - 1} ({res['layers']} layers, {res['codec']}, "
+            f"{res['accumulate']} accumulation; adaptive within [{res['min_every']}, "
+            f"{res['max_every']}] steps)\n")
+    cols = ["schedule", "refreshes", "mean", "ratio", "worst_ratio"]
+    titles = {"mean": "whitened-frame error (mean)", "ratio": "÷ fresh (mean)",
+              "worst_ratio": "÷ fresh (worst step)"}
+    return head + markdown_table(res["summary"], cols, titles) + "\n"
+
+
+def plot_refresh_schedules(res: dict[str, Any], path: str) -> None:
+    """Whitened-frame error per step of every schedule (refreshes marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = np.arange(res["start_step"], res["start_step"] + res["steps"])
+    for n, e in res["errors"].items():
+        (line,) = ax.plot(x, e, lw=1.2 if n != "fresh" else 2.0,
+                          color="k" if n == "fresh" else None,
+                          label=f"{n} ({len(res['refresh_steps'][n])} refreshes)")
+        if n != "fresh":
+            ax.plot(res["refresh_steps"][n], [e[s - res["start_step"]]
+                                              for s in res["refresh_steps"][n]],
+                    ls="none", marker="|", ms=10, color=line.get_color())
+    ax.set(xlabel="training step", ylabel="whitened-frame error ‖W(Ĝ−G)‖/‖WG‖",
+           title=f"rank-{res['rank']} A, {res['codec']}, refresh schedules")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ============================================================================================
