@@ -331,6 +331,7 @@ class Trainer:
         self.last_loss: float | None = None  # loss of the last logged step
         self._train_it: Iterator[np.ndarray] | None = None
         self._consecutive_skips = 0
+        self._steps_run = self._refreshes_run = 0  # by this process (the refresh share)
 
     # ---- small helpers -------------------------------------------------------------------
 
@@ -475,6 +476,8 @@ class Trainer:
                                                                batch, refresh)
                 window.append(metrics)
                 refreshes += int(refresh)
+                self._steps_run += 1
+                self._refreshes_run += int(refresh)
                 self.step += 1
                 self.data_position += 1
                 step = self.step
@@ -501,7 +504,10 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         """The run's summary (also what ``summary.json`` holds)."""
         config, step = self.config, self.step
-        refresh_fraction = self.program.optimizer.plan.refresh_fraction()
+        # the share of refresh steps this process ran (an adaptive rule's is not 1/K), or the
+        # plan's nominal one before any step
+        refresh_fraction = (self._refreshes_run / self._steps_run if self._steps_run
+                            else self.program.optimizer.plan.refresh_fraction())
         mean_wire = ((1 - refresh_fraction) * self.wire[False]
                       + refresh_fraction * self.wire.get(True, 0.0))
         train_s = self.watch.get("train")
