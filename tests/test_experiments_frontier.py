@@ -65,7 +65,8 @@ def test_paired_difference_pairs_by_seed():
     recs += [{"cell": "b", "seed": s, "final_eval": v} for s, v in ((0, 2.1), (1, 2.6), (2, 2.3))]
     g = F.paired_difference(recs, "b", "a")
     # the seeds' spread (0.25) is far larger than the gap, but every pair moves by +0.1
-    assert g["n"] == 3 and g["mean"] == pytest.approx(0.1) and g["sd"] == pytest.approx(0, abs=1e-12)
+    assert g["n"] == 3 and g["mean"] == pytest.approx(0.1)
+    assert g["sd"] == pytest.approx(0, abs=1e-12)
     recs[-1]["final_eval"] = 2.1  # pairs +0.1, +0.1, −0.1: not distinguishable
     assert not F.paired_difference(recs, "b", "a")["distinguishable"]
 
