@@ -18,9 +18,8 @@ compiler's. From the compiled executable:
 What a CPU compile does and does not tell: the partitioning (which arrays are split, which
 collectives GSPMD inserts, the quantized reduction's bytes) is decided before the backend and
 is the same for GPU/TPU; the sizes of arguments are exact. Temporaries depend on the backend's
-scheduler and fusion (XLA:GPU and TPU schedule and rematerialise differently, and this model's
-matmuls run in fp32 here when the config asks for bf16 on an accelerator only where the CPU
-lacks bf16 dots), so they are an estimate; time is not measured.
+scheduler and fusion (XLA:GPU and TPU schedule, fuse and rematerialise differently), so they
+are an estimate; time is not measured.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES
 from gift_jax.models import LlamaConfig
-from gift_jax.training.mesh import mesh_shape
+from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
 from gift_jax.utils.tree_paths import unmatched
 
 #: ``comm.codec`` values (the all-reduce's wire format).
@@ -65,8 +65,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "fsdp": 1,  # parameters/gradients/optimizer state/batch split within a replica
         "tensor": 1,  # attention heads and MLP hidden dimension split (Megatron)
         # logical axis -> mesh axis ('' = replicated), see gift_jax/training/sharding.py
-        "rules": {"vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-                  "mlp": "tensor", "norm": ""},
+        "rules": dict(DEFAULT_RULES),
         "intra_size": 1,  # >1: hierarchical all-reduce; mesh ('data', 'intra') of this size
     },
     "comm": {

@@ -28,6 +28,16 @@ FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
 #: The axes that split the model inside a data-parallel replica (GSPMD).
 MODEL_AXES = (FSDP_AXIS, TENSOR_AXIS)
+#: The default logical-axis → mesh-axis rules (``mesh.rules`` in the config; '' = replicated;
+#: see :mod:`.sharding`).
+DEFAULT_RULES: dict[str, str] = {
+    "vocab": TENSOR_AXIS,
+    "embed": FSDP_AXIS,
+    "heads": TENSOR_AXIS,
+    "kv_heads": TENSOR_AXIS,
+    "mlp": TENSOR_AXIS,
+    "norm": "",
+}
 
 
 def initialize_distributed(

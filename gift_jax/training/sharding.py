@@ -40,17 +40,7 @@ import gift_jax
 from gift_jax.comm.stage import LocalShards
 from gift_jax.models import LlamaConfig, logical_axes, param_shapes
 from gift_jax.training.config import ConfigError
-from gift_jax.training.mesh import MODEL_AXES, data_axes, model_axes
-
-#: The default logical-axis → mesh-axis rules (``mesh.rules`` in the config).
-DEFAULT_RULES: dict[str, str] = {
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "norm": "",
-}
+from gift_jax.training.mesh import DEFAULT_RULES, MODEL_AXES, data_axes, model_axes
 
 
 def _rule_axis(rules: Mapping[str, str], name: str) -> str | None:
