@@ -107,11 +107,12 @@ def get_config() -> ml_collections.ConfigDict:
     # "whitened" | "euclidean" | "off" (always whiten: the paper's GIFT, configs predating it)
     gift.route_frame = "off"
     # when to refresh: "fixed" (every refresh_every steps) | "adaptive" (when the rank-r basis
-    # covers < refresh_threshold of the gradient's input-side energy it covered just after the
-    # last refresh, within [min_refresh_every, max_refresh_every] steps of it)
+    # covers < refresh_threshold of the layer inputs' energy it covered just after the last
+    # refresh, measured on a token sample every step, within [min_refresh_every,
+    # max_refresh_every] steps of it)
     gift.refresh = "fixed"
-    gift.refresh_threshold = 0.8
-    gift.min_refresh_every = 10
+    gift.refresh_threshold = 0.975
+    gift.min_refresh_every = 5
     gift.max_refresh_every = 200
 
     # ------------------------------------------------------------------ PLUMAGE low-rank gradients

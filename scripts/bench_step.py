@@ -7,6 +7,8 @@ interleaved (:func:`gift_jax.apps.step_timing.step_times`):
 * ``gift``: ``fp8`` (comm.method ``none``: Euclidean FP8 all-reduce) vs ``gift_fp8``
   (comm.method ``gift``) — ordinary-step ratio
   (goal <= 1.05) and the refresh step's extra time amortised over K.
+* ``gift_adaptive``: ``gift_fp8`` with ``gift.refresh=adaptive`` vs the fixed clock: the cost of
+  the staleness signal (input coverage of a token sample, every ordinary step).
 * ``lowrank``: PLUMAGE vs GaLore projector (comm.method ``plumage``) — ordinary-step ratio
   (goal <= 1.05) and refresh steps.
 * ``gift_spread`` / ``plumage_spread``: refresh steps with the per-layer decompositions spread
@@ -47,6 +49,8 @@ GIFT_FP8 = [("comm.codec", None), ("comm.method", "gift")]
 PLUMAGE_FP8 = [("comm.codec", None), ("comm.method", "plumage")]
 COMPARISONS = {
     "gift": ("fp8", {"fp8": FP8, "gift_fp8": GIFT_FP8}),
+    "gift_adaptive": ("gift_fp8", {"gift_fp8": GIFT_FP8,
+                                   "gift_fp8 adaptive": [*GIFT_FP8, ("gift.refresh", "adaptive")]}),
     "lowrank": ("galore", {
         "galore": [*PLUMAGE_FP8, ("plumage.projector", "galore")],
         "plumage": [*PLUMAGE_FP8, ("plumage.projector", "plumage")]}),

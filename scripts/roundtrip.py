@@ -47,6 +47,11 @@ def main(argv=None):
                     "skips it)")
     ap.add_argument("--skip_tables", action="store_true",
                     help="skip the round-trip tables (run only the ablations asked for)")
+    ap.add_argument("--fixed", default="5,10,50", help="refresh schedules: fixed intervals K")
+    ap.add_argument("--thresholds", default="0.97,0.975,0.98",
+                    help="refresh schedules: adaptive thresholds τ")
+    ap.add_argument("--min_refresh_every", type=int, default=5,
+                    help="refresh schedules: the adaptive rule's minimum interval")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -88,6 +93,10 @@ def main(argv=None):
         result["staleness"] = st
     if args.schedule_steps > 0:
         sch = rt.refresh_schedule_experiment(trainer, steps=args.schedule_steps,
+                                             fixed=[int(k) for k in args.fixed.split(",")],
+                                             thresholds=[float(t) for t in
+                                                         args.thresholds.split(",")],
+                                             min_every=args.min_refresh_every,
                                              replicas=args.replicas,
                                              local_batch=args.local_batch,
                                              codec=args.staleness_codec, damping=args.damping)

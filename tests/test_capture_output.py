@@ -186,3 +186,39 @@ def test_tiny_llama_keys_match_gift_selection():
     assert int(state.refreshes) == 1 and int(state.identity_fallbacks) == 0
     # whiten → identity inner → unwhiten is the identity on the gradient
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-6), out, g)
+
+
+def test_input_coverage_of_scanned_layers_matches_their_statistics():
+    """GIFT's adaptive-refresh signal: the sample sums of ``with_input_coverage`` (every token
+    here) give ``tr(BᵀSASB)/tr(SAS)`` of the same inputs' A, per stacked layer; gradients and
+    the model are untouched."""
+    from gift_jax.whitening.capture import with_input_coverage
+    from gift_jax.whitening.stage import coverage_bases, input_coverage
+
+    model = ScanModel(nnx.Rngs(3))
+    layers = ["layers/mlp/down_proj"]
+    down = "layers/mlp/down_proj/kernel"
+    (_, a_stats), grads = nnx.jit(nnx.value_and_grad(with_input_stats(_loss, layers),
+                                                     has_aux=True))(model, X)
+    tx = gift(optax.identity(), layers, rank=4, factor="lowrank_diag",
+              dimension_numbers={down: GiftDimensionNumbers(1, 2)})
+    g = nnx.to_pure_dict(grads)
+    _, st = jax.jit(lambda g, s, a: tx.update(g, s, gift_stats=a))(g, tx.init(g), a_stats)
+    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    bases = coverage_bases(st)
+    assert list(bases) == [down] and bases[down][0].shape == (NL, DF, 4)
+    (_, sums), g_cov = nnx.jit(nnx.value_and_grad(with_input_coverage(_loss, bases),
+                                                  has_aux=True))(model, X)
+    assert sums[down].shape == (NL, 2)
+    want = jax.vmap(input_coverage)(st.factors[down], a_stats[down])
+    np.testing.assert_allclose(sums[down][:, 0] / sums[down][:, 1], want, rtol=1e-5)
+    assert ((0 < want) & (want < 1)).all()
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(u, v), nnx.to_pure_dict(g_cov),
+                 g)
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model))))
+    (_, few), _ = nnx.jit(nnx.value_and_grad(with_input_coverage(_loss, bases, samples=5),
+                                             has_aux=True))(model, X)  # every 2nd token
+    assert (np.asarray(few[down][:, 1]) < np.asarray(sums[down][:, 1])).all()
+    with pytest.raises(ValueError, match=r"samples=0 must be an int >= 1"):
+        with_input_coverage(_loss, bases, samples=0)(model, X)

@@ -176,3 +176,32 @@ def test_experiments_drive_the_trainers_loop():
     for a, b in zip(ours, jax.tree.leaves(reference.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     trainer.close()
+
+
+@pytest.mark.slow
+def test_refresh_schedule_experiment_smoke():
+    """A 6-step walk of the schedules: fresh refreshes every step, K=3 at steps 0 and 3, the
+    adaptive rule within its bounds; the signal table covers the fixed schedules."""
+    from gift_jax.training import complete_config
+
+    config = complete_config(load_config("tiny", ROOT / "configs"))
+    with config.unlocked():
+        config.model.num_layers, config.model.d_model, config.model.d_ff = 1, 32, 64
+        config.model.num_heads, config.train.seq_len = 2, 16
+        config.train.global_batch_size, config.train.num_steps = 8, 12
+        config.optimizer.warmup_steps = 2
+    trainer, _ = rt.train_and_capture(config, train_steps=2, capture_steps=1, replicas=4,
+                                      local_batch=2, layers=("*/mlp/down_proj",),
+                                      output_stats=False, log_every=0)
+    res = rt.refresh_schedule_experiment(trainer, steps=6, fixed=(3,), thresholds=(0.99,),
+                                         min_every=1, max_every=4, rank=4, replicas=4,
+                                         verbose=False)
+    by = {r["schedule"]: r for r in res["summary"]}
+    assert by["fresh"]["refreshes"] == 6 and by["K=3"]["refreshes"] == 2
+    assert 1 <= by["adaptive 0.99"]["refreshes"] <= 6
+    assert by["fresh"]["ratio"] == 1.0 and all(r["worst_ratio"] > 0 for r in res["summary"])
+    assert res["refresh_steps"]["K=3"] == [res["start_step"], res["start_step"] + 3]
+    corr = res["correlations"]["K=3"]
+    assert set(corr) == {"input", "gradient"} and all(-1 <= v <= 1 for v in corr.values())
+    assert "gradient coverage" in rt.refresh_schedule_markdown(res)
+    trainer.close()

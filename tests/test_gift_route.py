@@ -1,6 +1,8 @@
 """GIFT routing (gift(route_frame=...)): each layer through the transport with the smaller
 measured round-trip error, decided on refresh steps, identical on every replica, no recompile."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.stage import allreduce
 from gift_jax.whitening.stage import gift, whitened_fraction
-from tests.test_gift import KERNEL, D, _data, _kernel, _mesh, _params
+from tests.test_gift import KERNEL, D, N, _data, _kernel, _mesh, _params
 
 CODEC = "fp8_e4m3"
 
@@ -187,48 +189,83 @@ def test_trainer_logs_the_routing_and_stays_replica_identical():
 
 # ---- adaptive refresh: the staleness signal -------------------------------------------------
 
-def _rotated_grads(q, seed, decay=0.8):
-    """Per-device G = Xᵀδ for inputs whose top variance lies along the columns of ``q``."""
+def _rotated_inputs(q, seed, decay=0.8):
+    """Per-device inputs X (D, T, N) whose top variance lies along the columns of ``q``, and
+    their gradient G = Xᵀδ and second moment A = XᵀX/T."""
     from tests.test_gift import M, N, T
 
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((D, T, N)) * decay ** np.arange(N)) @ q.T
     g = np.einsum("dti,dto->dio", x, rng.standard_normal((D, T, M)))
     a = np.einsum("dti,dtj->dij", x, x) / T
-    return _grads(jnp.asarray(g, jnp.float32)), jnp.asarray(a, jnp.float32)
+    return (_grads(jnp.asarray(g, jnp.float32)), jnp.asarray(a, jnp.float32),
+            jnp.asarray(x, jnp.float32))
 
 
 COV_TX = gift(allreduce("data", codec=CODEC), rank=4, factor="lowrank_diag",
               track_coverage=True)
-COV_STEP = _per_device_step(COV_TX, [])
+
+
+@jax.jit
+@functools.partial(jax.shard_map, mesh=_mesh(), in_specs=P("data"), out_specs=P("data"),
+                   check_vma=False)
+def _coverage_step(g, st, a, x):
+    """A refresh (``a`` given) or an ordinary step with this device's coverage sums of its
+    inputs ``x`` (T, N), as :func:`gift_jax.whitening.capture.with_input_coverage` adds them."""
+    from gift_jax.whitening.stage import coverage_bases
+
+    g, st, a, x = jax.tree.map(lambda v: v[0], (g, st, a, x))
+    if a is not None:
+        kw = {"gift_stats": {KERNEL: a}}
+    else:
+        basis, scale = (v[0] for v in coverage_bases(st)[KERNEL])
+        sx = x * scale
+        kw = {"gift_coverage": {KERNEL: jnp.stack([jnp.sum((sx @ basis) ** 2),
+                                                   jnp.sum(sx**2)])}}
+    out, st = COV_TX.update(g, st, None, **kw)
+    return jax.tree.map(lambda v: v[None], (out, st))
 
 
 def test_staleness_signal_triggers_a_refresh_on_rotated_inputs_not_on_stationary_ones():
-    from gift_jax.whitening.stage import coverage_ratio, refresh_due_adaptive
-    from tests.test_gift import N
+    from gift_jax.whitening.stage import coverage_ratio, input_coverage, refresh_due_adaptive
 
     rng = np.random.default_rng(0)
     q1, _ = np.linalg.qr(rng.standard_normal((N, N)))
     q2, _ = np.linalg.qr(rng.standard_normal((N, N)))
     host = lambda st: jax.tree.map(lambda x: x[0], st)  # replica 0 (all agree)
     due = lambda st: refresh_due_adaptive(host(st), 0.7, 2, 50)
+    ordinary = lambda st, q, seed: _coverage_step(_rotated_inputs(q, seed)[0], st, None,
+                                                  _rotated_inputs(q, seed)[2])[1]
     st = _per_device_init(COV_TX)
     assert due(st)  # no refresh yet
-    grads, a = _rotated_grads(q1, 1)
-    _, st = COV_STEP(grads, st, a)  # refresh: the reference coverage
+    grads, a, _ = _rotated_inputs(q1, 1)
+    _, st = _coverage_step(grads, st, a, None)  # refresh: the reference coverage
     ref = np.asarray(st.coverage_ref[KERNEL])
     assert (ref == ref[:1]).all() and ref[0, 0] > 0.5
+    factor = jax.tree.map(lambda v: v[0], host(st).factors[KERNEL])
+    np.testing.assert_allclose(ref[0, 0], input_coverage(factor, jnp.mean(a, 0)), rtol=1e-5)
     for seed in (2, 3, 4):  # stationary: fresh samples of the same distribution
-        _, st = COV_STEP(_rotated_grads(q1, seed)[0], st, None)
-        assert float(coverage_ratio(host(st))) > 0.8 and not due(st)
-    _, st = COV_STEP(_rotated_grads(q2, 5)[0], st, None)  # the inputs rotated
+        st = ordinary(st, q1, seed)
+        assert float(coverage_ratio(host(st))) > 0.9 and not due(st)
+    st = ordinary(st, q2, 5)  # the inputs rotated
     cov = np.asarray(st.coverage[KERNEL])
     assert (cov == cov[:1]).all()
     assert float(coverage_ratio(host(st))) < 0.5 and due(st)
-    grads, a = _rotated_grads(q2, 6)
-    _, st = COV_STEP(grads, st, a)  # refreshed: the reference is the new basis' coverage
-    _, st = COV_STEP(_rotated_grads(q2, 7)[0], st, None)
+    grads, a, _ = _rotated_inputs(q2, 6)
+    _, st = _coverage_step(grads, st, a, None)  # refreshed: the reference is the new basis'
+    st = ordinary(st, q2, 7)
     assert not due(st)
+
+
+def test_coverage_is_required_on_ordinary_steps_and_only_there():
+    grads, a, _ = _rotated_inputs(np.eye(N), 1)
+    st = jax.tree.map(lambda v: v[0], _per_device_init(COV_TX))
+    g = jax.tree.map(lambda v: v[0], grads)
+    with pytest.raises(ValueError, match="track_coverage=True needs gift_coverage"):
+        COV_TX.update(g, st, None)
+    with pytest.raises(ValueError, match="gift_coverage is for the ordinary steps"):
+        COV_TX.update(g, st, None, gift_stats={KERNEL: a[0]},
+                      gift_coverage={KERNEL: jnp.ones((2,))})
 
 
 def test_adaptive_bounds_and_bad_settings():
@@ -268,17 +305,23 @@ def test_adaptive_refresh_config_errors_name_the_setting(overrides, match):
 
 
 @pytest.mark.slow
-def test_trainer_adaptive_refresh_bounded_by_max_interval():
+def test_trainer_adaptive_refresh_bounded_by_max_interval_and_measures_coverage():
     from gift_jax.whitening.stage import GiftState
     from tests.test_training import run, small_config
 
+    # a threshold no coverage drop reaches: refreshes come from max_refresh_every alone
     config = small_config("gift_fp8", **{"gift.refresh": "adaptive", "gift.min_refresh_every": 1,
-                                         "gift.max_refresh_every": 2})
+                                         "gift.max_refresh_every": 3,
+                                         "gift.refresh_threshold": 0.01})
     result = run(config, stop_after=5)
     (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
         x, GiftState)) if isinstance(s, GiftState)]
-    assert 3 <= int(gs.refreshes) <= 5  # step 0, then at most 2 steps apart
-    assert int(gs.count) <= 1 and sorted(gs.coverage) == ["layers/0/mlp/down_proj/kernel"]
+    assert int(gs.refreshes) == 2 and int(gs.count) == 1  # steps 0 and 3; step 4 ordinary
+    path = "layers/0/mlp/down_proj/kernel"
+    assert sorted(gs.coverage) == [path]
+    cov, ref = float(gs.coverage[path][0]), float(gs.coverage_ref[path][0])
+    # step 4 measured its own inputs' coverage (the reference is step 3's, from its A)
+    assert 0.0 < cov <= 1.0 and 0.0 < ref <= 1.0 and cov != ref
     assert result.summary["skipped_steps"] == 0
 
 

@@ -381,10 +381,12 @@ if _WORKER:
 # ---- PLUMAGE + GIFT, and PLUMAGE that projects nothing ---------------------------------------
 
 
-def test_plumage_with_gift_whitening_runs_replica_identical():
+@pytest.mark.parametrize("route", ["off", "optimizer"])
+def test_plumage_with_gift_whitening_runs_replica_identical(route):
     config = small_config("plumage", "adamw", **{"plumage.gift": True,
                                                  "comm.error_feedback": True,
-                                                 "gift.layers": ("*/mlp/down_proj",)})
+                                                 "gift.layers": ("*/mlp/down_proj",),
+                                                 "gift.route_frame": route})
     result = run(config, stop_after=4)
     losses = [h["loss"] for h in result.history if "loss" in h]
     assert result.step == 4 and all(np.isfinite(losses))
@@ -393,6 +395,10 @@ def test_plumage_with_gift_whitening_runs_replica_identical():
     gifts = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
         x, gj.GiftState)) if isinstance(s, gj.GiftState)]
     assert len(gifts) == 1 and int(gifts[0].refreshes) == 2  # PLUMAGE refreshes at 0 and 2
+    if route != "off":  # routed on the step's coordinates (zeros would give errors of 0)
+        err = np.asarray(gifts[0].route_error["layers/0/mlp/down_proj/kernel"])
+        assert err.shape == (2, 1) and (err > 0).all() and np.isfinite(err).all()
+        assert gifts[0].use_whitening["layers/0/mlp/down_proj/kernel"].shape == (1,)
 
 
 @pytest.mark.parametrize(
@@ -401,7 +407,11 @@ def test_plumage_with_gift_whitening_runs_replica_identical():
      ({"plumage.gift": True, "gift.two_sided": True},
       r"gift\.two_sided=True cannot be combined with plumage\.gift=True"),
      ({"plumage.gift": True, "gift.remainder": "full"},
-      r"gift\.remainder='full' is not supported")],
+      r"gift\.remainder='full' is not supported"),
+     ({"plumage.gift": True, "gift.route_frame": "sideways"},
+      r"gift\.route_frame='sideways' is not supported"),
+     ({"plumage.gift": True, "gift.refresh": "adaptive"},
+      r"gift\.refresh='adaptive' cannot be combined with plumage\.gift=True")],
 )
 def test_plumage_gift_bad_settings_name_the_setting(overrides, match):
     with pytest.raises(ConfigError, match=match):

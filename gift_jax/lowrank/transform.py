@@ -492,7 +492,9 @@ def _refresh_whitening(s: Settings, comm_state: Any, state: PlumageState, update
     """Rebuild the whitening factors for the new projection: one call of ``communicate`` on
     zero coordinates with ``gift_stats`` and ``gift_projection={path: M}``, ``M = P·D⁻¹``
     ("before_moments") or ``P`` (``(n, k)``); the output is discarded (with the residuals just
-    zeroed it sends exact zeros)."""
+    zeroed it sends exact zeros).  ``gift_route_updates``: this replica's coordinates of
+    ``updates`` (its local gradient) in the new projection, for a routing GIFT to measure its
+    transports on (``gift(route_frame=...)``)."""
     by_path = {leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(
         state.leaves, is_leaf=lambda x: isinstance(x, LeafState))[0]}
     projection = {}
@@ -501,11 +503,16 @@ def _refresh_whitening(s: Settings, comm_state: Any, state: PlumageState, update
         m = leaf.projector / leaf.probs[:, None, :] if s.scale_before else leaf.projector
         projection[path] = m[0]
     flat, treedef = jax.tree.flatten(updates)
+    lays = treedef.flatten_up_to(layouts)
     zeros = jax.tree.unflatten(treedef, [
         jnp.zeros_like(x) if lay is None else jnp.zeros(lay.coord_shape, jnp.float32)
-        for x, lay in zip(flat, treedef.flatten_up_to(layouts), strict=True)])
+        for x, lay in zip(flat, lays, strict=True)])
+    local = jax.tree.unflatten(treedef, [
+        x if lay is None else coordinates(s, x, lay, leaf).reshape(lay.coord_shape)
+        for x, lay, leaf in zip(flat, lays, treedef.flatten_up_to(state.leaves), strict=True)])
     _, comm_state = s.comm.update(zeros, comm_state, params, gift_stats=gift_stats,
-                                  gift_projection=projection, **extra_args)
+                                  gift_projection=projection, gift_route_updates=local,
+                                  **extra_args)
     return comm_state
 
 

@@ -83,8 +83,8 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
         "route_frame": "off",  # per-layer routing by measured round trip; off: always whiten
         "refresh": "fixed",  # fixed: every refresh_every steps | adaptive: when the basis is stale
-        "refresh_threshold": 0.8,  # adaptive: coverage / coverage after the last refresh
-        "min_refresh_every": 10,  # adaptive: fewest steps between refreshes
+        "refresh_threshold": 0.975,  # adaptive: input coverage / its value at the last refresh
+        "min_refresh_every": 5,  # adaptive: fewest steps between refreshes
         "max_refresh_every": 200,  # adaptive: most steps between refreshes
     },
     "plumage": {
@@ -393,6 +393,12 @@ def _validate_plumage_gift(config) -> None:
             "gift.two_sided=True cannot be combined with plumage.gift=True (GIFT whitens the "
             "projected input side only); set gift.two_sided=false"
         )
+    _choice(config, "gift.route_frame", GIFT_ROUTE_FRAMES)
+    if config.gift.get("refresh", "fixed") != "fixed":
+        raise ConfigError(
+            f"gift.refresh={config.gift.refresh!r} cannot be combined with plumage.gift=True "
+            "(GIFT's factors refresh with PLUMAGE's projection, every plumage.refresh_every "
+            "steps); set gift.refresh='fixed'")
 
 
 def _validate_tokenizer(config) -> None:

@@ -85,6 +85,12 @@ class CommPlan:
         layers on refresh steps, else none."""
         return self.gift_layers if refresh else ()
 
+    def coverage_bases(self, refresh: bool, opt_state: Any) -> dict[str, Any] | None:
+        """The factor bases whose input coverage the step variant ``refresh`` measures (GIFT's
+        adaptive refresh, ordinary steps), read from the traced ``opt_state``; else ``None``."""
+        del refresh, opt_state
+        return None
+
     def update_kwargs(self, refresh: bool, stats: Any) -> dict[str, Any]:
         """Extra keyword arguments of ``tx.update`` for the variant ``refresh`` given the
         captured statistics (``{}``; ``(A, B)`` when two-sided)."""
@@ -150,6 +156,20 @@ class GiftPlan(CommPlan):
             return refresh_due(step, self.refresh_every)
         return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
                                     *self.adaptive_refresh)
+
+    def coverage_bases(self, refresh, opt_state):
+        """Adaptive refresh: on ordinary steps, the bases of the GIFT state's factors (the
+        step measures its layers' input coverage in them, :mod:`gift_jax.whitening.capture`)."""
+        from gift_jax.whitening.stage import coverage_bases
+
+        if refresh or self.adaptive_refresh is None:
+            return None
+        return coverage_bases(optax.tree.get(opt_state, "GiftState")) or None
+
+    def update_kwargs(self, refresh, stats):
+        if self.adaptive_refresh is not None and not refresh:
+            return {"gift_coverage": stats} if stats else {}
+        return super().update_kwargs(refresh, stats)
 
     def state_metrics(self, opt_state):
         """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
@@ -240,7 +260,8 @@ class PlumagePlan(CommPlan):
         communicate_refresh = None
         if self.gift_layers:  # ordinary steps: GIFT-whitened (k, N) coordinates
             communicate_refresh = communicate  # refresh steps: the full gradient, plain
-            communicate = optax.chain(optim.projected_gift(config, stage, axes),
+            communicate = optax.chain(optim.projected_gift(config, stage, axes,
+                                                           route_frame(config)),
                                       optim.record_grad_norm(), *optim.clip_stages(config))
         tx = plumage(
             schedule,

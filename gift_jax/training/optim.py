@@ -190,12 +190,14 @@ def dense_optimizer(config, schedule) -> optax.GradientTransformation:
     )
 
 
-def projected_gift(config, stage, axes) -> optax.GradientTransformation:
+def projected_gift(config, stage, axes, route_frame: str = "off"
+                   ) -> optax.GradientTransformation:
     """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
     ``gift.layers``: whitened with the factor of ``MᵀAM``, rebuilt on every PLUMAGE refresh
-    (``gift.refresh_every`` does not apply). The rank is PLUMAGE's alone: GIFT reads ``k``
-    from the coordinates it is initialised on and the layers' input widths from PLUMAGE's
-    hook (:meth:`~gift_jax.whitening.stage.GiftState.with_input_widths`)."""
+    (``gift.refresh_every`` does not apply). ``route_frame``: the stage's, measured on the
+    coordinates at each refresh. The rank is PLUMAGE's alone: GIFT reads ``k`` from the
+    coordinates it is initialised on and the layers' input widths from PLUMAGE's hook
+    (:meth:`~gift_jax.whitening.stage.GiftState.with_input_widths`)."""
     from gift_jax.whitening.stage import gift
 
     g = config.gift
@@ -209,6 +211,8 @@ def projected_gift(config, stage, axes) -> optax.GradientTransformation:
         axis_name=axes if len(axes) > 1 else axes[0],
         distribute_refresh=config.comm.distribute_refresh,
         seed=config.train.seed,
+        route_frame=route_frame,
+        route_adam_eps=config.optimizer.eps,
     )
 
 

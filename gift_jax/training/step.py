@@ -128,10 +128,13 @@ def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
 def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
                           accum_steps: int, capture_layers: tuple[str, ...],
                           two_sided: bool = False, strided: bool = False,
-                          loss_fn: Callable = next_token_loss):
+                          loss_fn: Callable = next_token_loss,
+                          coverage_bases: dict[str, Any] | None = None):
     """(mean loss, mean gradient, mean input statistics) of this replica's tokens; with
     ``two_sided`` the statistics are ``(A, B)``, B the per-token output-side second moment
-    (:func:`gift_jax.whitening.capture.kfac_value_and_grad`). ``strided``: microbatch ``i``
+    (:func:`gift_jax.whitening.capture.kfac_value_and_grad`); with ``coverage_bases`` (no
+    ``capture_layers``) the input-coverage sums of GIFT's adaptive refresh
+    (:func:`gift_jax.whitening.capture.with_input_coverage`). ``strided``: microbatch ``i``
     takes rows ``i, i + accum_steps, …`` (so each keeps the rows' split over ``fsdp``)
     instead of a contiguous block. ``loss_fn``: ``(model, tokens) → loss``."""
 
@@ -149,6 +152,13 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
             (loss, stats), g = jax.value_and_grad(
                 lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
             return loss, g, stats
+        if coverage_bases:
+            from gift_jax.whitening.capture import with_input_coverage
+
+            fn = with_input_coverage(loss_fn, coverage_bases)
+            (loss, sums), g = jax.value_and_grad(
+                lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
+            return loss, g, sums
         loss, g = jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p)
         return loss, g, {}
 
@@ -200,7 +210,8 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
                                                    capture, plan.gift_two_sided, sharded,
-                                                   loss_for(mesh))
+                                                   loss_for(mesh),
+                                                   plan.coverage_bases(refresh, opt_state))
         grads = _constrain(grads, specs)
         kwargs = plan.update_kwargs(refresh, stats)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)

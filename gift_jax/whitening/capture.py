@@ -94,19 +94,25 @@ from flax import nnx
 from gift_jax.utils.tree_paths import join_path, matches, require_matches
 
 __all__ = [
+    "GiftCoverageBasis",
+    "GiftCoverageSum",
     "GiftInputCount",
     "GiftInputSum",
     "GiftOutputProbe",
     "find_linear_layers",
+    "input_coverage",
     "input_stats",
     "install_capture",
+    "install_coverage",
     "kfac_value_and_grad",
     "output_probes",
     "remove_capture",
+    "with_input_coverage",
     "with_input_stats",
 ]
 
 _SUM, _COUNT, _PROBE = "gift_input_sum", "gift_input_count", "gift_output_probe"
+_BASIS, _SCALE, _COVERAGE = "gift_coverage_basis", "gift_coverage_scale", "gift_coverage_sum"
 REDUCTIONS = ("mean", "sum")
 _NODES = "_pytree__nodes"
 
@@ -122,6 +128,16 @@ class GiftInputCount(nnx.Variable):
 class GiftOutputProbe(nnx.Variable):
     """Temporary per-layer zero (lead + (m, m), fp32) whose cotangent is Σ δ δᵀ of the layer
     output (see :func:`_output_tap`); present only while capturing the output side."""
+
+
+class GiftCoverageBasis(nnx.Variable):
+    """Temporary per-layer basis ``B`` (lead + (n, r)) and input scale ``S`` (lead + (n,)) of
+    the layer's current GIFT factor while measuring input coverage (one variable each)."""
+
+
+class GiftCoverageSum(nnx.Variable):
+    """Temporary per-layer ``[Σ_t ‖Bᵀ S x_t‖², Σ_t ‖S x_t‖²]`` (lead + (2,), fp32) over the
+    sampled token rows while measuring input coverage."""
 
 
 @jax.custom_vjp
@@ -146,16 +162,24 @@ _output_tap.defvjp(_output_tap_fwd, _output_tap_bwd)
 
 @functools.cache
 def _capturing_class(cls: type) -> type:
-    """Subclass of an ``nnx.Linear`` class whose call accumulates Σ x xᵀ and, when the module
-    holds a :class:`GiftOutputProbe`, taps its output for Σ δ δᵀ (cached, so jit's
-    graph-structure cache sees one type)."""
+    """Subclass of an ``nnx.Linear`` class whose call accumulates what the module's temporary
+    variables ask for: Σ x xᵀ (:class:`GiftInputSum`), the input coverage sums over a row
+    sample (:class:`GiftCoverageSum`), and with a :class:`GiftOutputProbe` it taps its output
+    for Σ δ δᵀ (cached, so jit's graph-structure cache sees one type)."""
 
     def __call__(self, inputs, *args, **kwargs):
         x = jax.lax.stop_gradient(inputs)
         x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        xtx = jnp.einsum("ti,tj->ij", x, x, precision=jax.lax.Precision.HIGHEST)
-        getattr(self, _SUM)[...] = getattr(self, _SUM)[...] + xtx
-        getattr(self, _COUNT)[...] = getattr(self, _COUNT)[...] + x.shape[0]
+        if _SUM in vars(self):
+            xtx = jnp.einsum("ti,tj->ij", x, x, precision=jax.lax.Precision.HIGHEST)
+            getattr(self, _SUM)[...] = getattr(self, _SUM)[...] + xtx
+            getattr(self, _COUNT)[...] = getattr(self, _COUNT)[...] + x.shape[0]
+        if _COVERAGE in vars(self):
+            sx = x[:: max(1, x.shape[0] // getattr(self, _COVERAGE).samples)]
+            sx = sx * getattr(self, _SCALE)[...]
+            top = jnp.matmul(sx, getattr(self, _BASIS)[...], precision="highest")
+            getattr(self, _COVERAGE)[...] = getattr(self, _COVERAGE)[...] + jnp.stack(
+                [jnp.sum(top**2), jnp.sum(sx**2)])
         y = cls.__call__(self, inputs, *args, **kwargs)
         probe = vars(self).get(_PROBE)
         return y if probe is None else _output_tap(y, probe[...])
@@ -258,12 +282,80 @@ def remove_capture(handle: dict[str, tuple[Any, type, Any]]) -> None:
     """Restore the modules' classes and delete the temporary variables."""
     for module, orig, saved in handle.values():
         object.__setattr__(module, "__class__", orig)
-        delattr(module, _SUM)
-        delattr(module, _COUNT)
-        if _PROBE in vars(module):
-            delattr(module, _PROBE)
+        for name in (_SUM, _COUNT, _PROBE, _BASIS, _SCALE, _COVERAGE):
+            if name in vars(module):
+                delattr(module, name)
         if saved is not None:
             vars(module)[_NODES] = saved
+
+
+def install_coverage(
+    model: nnx.Module,
+    bases: Mapping[str, tuple[jax.Array, jax.Array]],
+    samples: int = 256,
+) -> dict[str, tuple[Any, type, Any]]:
+    """Start measuring input coverage (in place): ``bases`` maps a kernel path to the basis
+    ``B`` (``(..., n, r)``) and input scale ``S`` (``(..., n)``) of its GIFT factor, leading
+    axes reshaped to the kernel's stacked axes.  Each call of a selected layer adds
+    ``[Σ_t ‖Bᵀ S x_t‖², Σ_t ‖S x_t‖²]`` over every ``⌊T / samples⌋``-th of its ``T`` input rows
+    (about ``samples`` rows, O(samples·n·r) work).  Returns the handle for
+    :func:`input_coverage` / :func:`remove_capture`."""
+    found = find_linear_layers(model, list(bases))
+    if set(found) != set(bases):
+        raise ValueError(f"capture: bases keys {sorted(bases)} are not kernel paths of "
+                         f"nnx.Linear layers (found {sorted(found)})")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"capture: samples={samples!r} must be an int >= 1")
+    handle = {}
+    for path, module in found.items():
+        saved = copy.copy(vars(module).get(_NODES))
+        kernel = module.kernel[...]
+        lead, n = kernel.shape[:-2], kernel.shape[-2]
+        basis, scale = (jnp.asarray(v, jnp.float32) for v in bases[path])
+        basis = basis.reshape(lead + (n, basis.shape[-1]))
+        setattr(module, _BASIS, GiftCoverageBasis(basis))
+        setattr(module, _SCALE, GiftCoverageBasis(scale.reshape(lead + (n,))))
+        setattr(module, _COVERAGE, GiftCoverageSum(jnp.zeros(lead + (2,), jnp.float32),
+                                                   samples=samples))
+        orig = type(module)
+        object.__setattr__(module, "__class__", _capturing_class(orig))
+        handle[path] = (module, orig, saved)
+    return handle
+
+
+def input_coverage(handle: dict[str, tuple[Any, type, Any]]) -> dict[str, jax.Array]:
+    """``{kernel path: [Σ ‖BᵀSx‖², Σ ‖Sx‖²]}`` (lead + (2,), fp32) from a coverage handle."""
+    return {path: getattr(module, _COVERAGE)[...] for path, (module, _, _) in handle.items()}
+
+
+def with_input_coverage(
+    loss_fn: Callable[..., Any],
+    bases: Mapping[str, tuple[jax.Array, jax.Array]],
+    samples: int = 256,
+) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+    """Ordinary-step variant of ``loss_fn(model, ...)`` for GIFT's adaptive refresh: returns
+    ``(out, sums)``, ``sums`` the input-coverage sums of :func:`install_coverage` (pass them
+    as ``gift_coverage=`` to a ``gift(track_coverage=True)`` stage; ``bases`` from
+    :func:`gift_jax.whitening.stage.coverage_bases` of its state).
+
+    The coverage ``Σ‖BᵀSx‖² / Σ‖Sx‖²`` is the fraction of the layer's input energy (in the
+    factor's frame) that the factor's rank-r basis captures, i.e. ``tr(BᵀSASB)/tr(SAS)`` for
+    ``A`` the second moment of the sampled inputs: it falls as the input distribution rotates
+    away from the basis the factor was built on.  Sums, not means, so gradient accumulation
+    and layers applied more than once add up; only their ratio is used.
+    """
+
+    @functools.wraps(loss_fn)
+    def wrapped(model, *args, **kwargs):
+        handle = install_coverage(model, bases, samples)
+        try:
+            out = loss_fn(model, *args, **kwargs)
+            sums = input_coverage(handle)
+        finally:
+            remove_capture(handle)
+        return out, sums
+
+    return wrapped
 
 
 def with_input_stats(

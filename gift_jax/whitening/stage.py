@@ -72,11 +72,17 @@ replica), until the next refresh.  The transport is a traced ``jnp.where`` betwe
 and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never a recompilation.  The residual
 frame of a matrix is ``F = W`` or ``I`` by its route, and the refresh reframes error feedback
 by ``F₂F₁⁻¹``.  With ``route_frame="off"`` the state has no routing leaves and the stage is the
-paper's GIFT, bit for bit.
+paper's GIFT, bit for bit.  A refresh may pass ``gift_route_updates=`` (a pytree like
+``updates``) to measure the routing on other gradients than the ones it transports: PLUMAGE
+refreshes GIFT on zero coordinates and passes the step's coordinates in the new projection.
 
-Staleness (``track_coverage=True``).  Every step stores :func:`basis_coverage` of the reduced
-gradient (identical on every replica; its value on the last refresh as the reference), for the
-host's :func:`refresh_due_adaptive`.
+Staleness (``track_coverage=True``).  Every step stores :func:`input_coverage`, the fraction of
+each selected layer's input energy its factor's rank-r basis captures: on a refresh from the
+step's reduced ``A`` with the new factor (the reference), on ordinary steps from the sums over a
+token sample of the inputs that the caller passes as ``gift_coverage={path: lead + (2,)}``
+(:func:`gift_jax.whitening.capture.with_input_coverage` with :func:`coverage_bases` of the
+state), ``pmean``'d, so identical on every replica.  The host's :func:`refresh_due_adaptive`
+reads the ratio.
 """
 
 from __future__ import annotations
@@ -103,7 +109,10 @@ __all__ = [
     "GiftDimensionNumbers",
     "GiftState",
     "gift",
+    "coverage_basis",
+    "coverage_bases",
     "coverage_ratio",
+    "input_coverage",
     "refresh_due",
     "refresh_due_adaptive",
     "select_layers",
@@ -138,7 +147,7 @@ class GiftState(NamedTuple):
     use_whitening: dict[str, jax.Array] = {}  # path -> (B,) bool: whitened transport in use
     route_error: dict[str, jax.Array] = {}  # path -> (2, B) f32: [Euclidean, whitened] error
     # staleness signal (empty unless track_coverage=True):
-    coverage: dict[str, jax.Array] = {}  # path -> (B,) f32: ‖BᵀSĜ‖²/‖SĜ‖² of the last step
+    coverage: dict[str, jax.Array] = {}  # path -> (B,) f32: input coverage of the last step
     coverage_ref: dict[str, jax.Array] = {}  # path -> (B,) f32: the same on the last refresh
 
     # Projection hook.  A stage before GIFT that sends projected coordinates R = MᵀG (PLUMAGE)
@@ -237,32 +246,55 @@ def whitened_fraction(state: GiftState) -> jax.Array | None:
     return jnp.mean(flags.astype(jnp.float32))
 
 
-def basis_coverage(factor: Any, g: jax.Array) -> jax.Array:
-    """Fraction of the input-side energy of a gradient ``g`` (n × m) in the factor's rank-r
-    basis: ``‖Bᵀ S g‖²_F / ‖S g‖²_F`` (fp32 scalar), the staleness signal of adaptive refresh.
-
-    Why the gradient and not the inputs: ``G = Σ_t x_t δ_tᵀ``, so the columns of ``G`` are
-    combinations of this step's inputs and ``G``'s input-side energy lies where the inputs
-    (weighted by their backpropagated errors) do; when the input distribution rotates away from
-    the top-r eigenvectors of ``A = E[xxᵀ]`` the fraction drops.  The ordinary step does not
-    capture inputs (only refreshes do, :mod:`gift_jax.whitening.capture`), while the reduced
-    gradient is at hand, identical on every replica: no capture, no collective, O(n·r·m).
-    ``B, S``: ``U, I`` for :class:`~gift_jax.whitening.LowRankIsotropicFactor`; ``Q, D^{-1/2}``
-    for :class:`~gift_jax.whitening.LowRankDiagFactor` (its basis lives in the diagonally
-    rescaled frame); the input side of a :class:`~gift_jax.whitening.KroneckerFactor`.  Other
-    factors keep every direction (dense, diagonal, block): 1.
-    """
+def coverage_basis(factor: Any) -> tuple[jax.Array, jax.Array] | None:
+    """The rank-r basis ``B`` (n × r) and input scale ``S`` (n,) in which a factor keeps its
+    top directions, or ``None`` for factors that keep every direction (dense, diagonal,
+    block).  ``U, 1`` for :class:`~gift_jax.whitening.LowRankIsotropicFactor`;
+    ``Q, D^{-1/2}`` for :class:`~gift_jax.whitening.LowRankDiagFactor` (its basis lives in the
+    diagonally rescaled frame); the input side of a :class:`~gift_jax.whitening.KroneckerFactor`.
+    Works on stacked factors too (leading axes kept)."""
     if isinstance(factor, wh.KroneckerFactor):
         factor = factor.left
-    g = jnp.asarray(g, jnp.float32)
     if isinstance(factor, wh.LowRankDiagFactor):
-        g, basis = factor.d_inv_sqrt[:, None] * g, factor.q
-    elif isinstance(factor, wh.LowRankIsotropicFactor):
-        basis = factor.u
-    else:
+        return factor.q, factor.d_inv_sqrt
+    if isinstance(factor, wh.LowRankIsotropicFactor):
+        return factor.u, jnp.ones(factor.u.shape[:-1], jnp.float32)
+    return None
+
+
+def input_coverage(factor: Any, a: jax.Array) -> jax.Array:
+    """Fraction of the input energy in a factor's rank-r basis, ``tr(BᵀSASB) / tr(SAS)`` for
+    the input second moment ``A = E[xxᵀ]`` (n × n) — the staleness signal of adaptive refresh
+    (:func:`refresh_due_adaptive`), = ``E‖BᵀSx‖² / E‖Sx‖²``.  1 for factors without a basis.
+
+    On ordinary steps the stage gets the same ratio from a token sample of the layer inputs
+    (:func:`gift_jax.whitening.capture.with_input_coverage`, O(n·r) per sampled token); on a
+    refresh it is computed from the step's reduced ``A`` with the new factor: the reference.
+    Why inputs and not the reduced gradient ``Ĝ = Σ_t x_t δ_tᵀ`` (free on every step): ``Ĝ``'s
+    input-side energy is weighted by the step's backpropagated errors and jumps from step to
+    step; on the tiny model (docs/gift_results.md, refresh schedules) the excess whitened-frame
+    error of a stale factor correlates −0.94 with the input coverage ratio and −0.64 with the
+    gradient's.
+    """
+    bs = coverage_basis(factor)
+    if bs is None:
         return jnp.ones((), jnp.float32)
-    top = jnp.sum(jnp.matmul(basis.T, g, precision="highest") ** 2)
-    return top / jnp.maximum(jnp.sum(g**2), 1e-30)
+    basis, scale = bs
+    sas = scale[:, None] * jnp.asarray(a, jnp.float32) * scale[None, :]
+    top = jnp.sum(basis * jnp.matmul(sas, basis, precision="highest"))
+    return top / jnp.maximum(jnp.trace(sas), 1e-30)
+
+
+def coverage_bases(state: GiftState) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """``{kernel path: (B (b, n, r), S (b, n))}`` of the selected layers whose factors have a
+    basis (:func:`coverage_basis`): what :func:`gift_jax.whitening.capture.with_input_coverage`
+    needs on ordinary steps of a ``gift(track_coverage=True)`` stage."""
+    out = {}
+    for path, f in state.factors.items():
+        bs = coverage_basis(f)
+        if bs is not None:
+            out[path] = bs
+    return out
 
 
 def coverage_ratio(state: GiftState) -> jax.Array:
@@ -398,8 +430,8 @@ def gift(
         Needs ``inner`` to be a :func:`gift_jax.allreduce` stage (its codec is measured).
       route_adam_eps: ε of the ``"adam"`` frame (the optimizer's eps).
       track_coverage: keep the staleness signal of :func:`refresh_due_adaptive` in the state
-        (:func:`basis_coverage` of the reduced gradient, every step; its value on the last
-        refresh as the reference).
+        (:func:`input_coverage`, every step; its value on the last refresh as the
+        reference); ordinary steps then need ``gift_coverage=`` (see the module docstring).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`.
@@ -493,11 +525,12 @@ def gift(
         return given
 
     def reduce_ema(given, old):
-        """pmean over replicas, then EMA per layer (B, n, n) → (new stats, finite mask (B,)).
+        """pmean over replicas, then EMA per layer (B, n, n) → (new stats, finite mask (B,),
+        this step's reduced stats).
 
         A layer whose reduced statistic is non-finite keeps its old statistic (the EMA is never
         poisoned); a layer with no statistic yet (zero trace) takes the new one as is."""
-        new, finite = {}, {}
+        new, finite, reduced = {}, {}, {}
         for path, a in given.items():
             a = pmean(jnp.asarray(a, jnp.float32).reshape(old[path].shape), axis_name)
             ok = jnp.all(jnp.isfinite(a), axis=(-2, -1))
@@ -505,7 +538,8 @@ def gift(
             upd = jnp.where(fresh[:, None, None], a, ema * old[path] + (1.0 - ema) * a)
             new[path] = jnp.where(ok[:, None, None], upd, old[path])
             finite[path] = ok
-        return new, finite
+            reduced[path] = a
+        return new, finite, reduced
 
     def build(a, b_stats, proj, basis, key):
         """One layer (no batch axis) → (factor, status, new basis or None)."""
@@ -533,12 +567,13 @@ def gift(
         widths = {path: state.stats[path].shape[-1] for path in sel}  # n: A's side
         projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
         in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
-        stats, finite = reduce_ema(check_stats("gift_stats", gift_stats, in_shapes), state.stats)
+        stats, finite, step_a = reduce_ema(check_stats("gift_stats", gift_stats, in_shapes),
+                                           state.stats)
         out_stats = state.out_stats
         if two_sided:
             if gift_output_stats is None:
                 raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
-            out_stats, out_finite = reduce_ema(
+            out_stats, out_finite, _ = reduce_ema(
                 check_stats("gift_output_stats", gift_output_stats,
                             {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
                 state.out_stats,
@@ -583,6 +618,12 @@ def gift(
                 basis[path] = nb
             n_damped = n_damped + jnp.sum(status == 1).astype(jnp.int32)
             n_ident = n_ident + jnp.sum(status == 2).astype(jnp.int32)
+        if track_coverage:
+            if projected:
+                raise ValueError(f"gift: track_coverage=True does not support layers {projected} "
+                                 "that receive projected coordinates")
+            cov = {p: jax.vmap(input_coverage)(factors[p], step_a[p]) for p in sel}
+            state = state._replace(coverage=cov, coverage_ref=cov)
         return state._replace(
             count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
             damped_fallbacks=n_damped, identity_fallbacks=n_ident, stats=stats,
@@ -626,16 +667,38 @@ def gift(
             err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
         return state._replace(use_whitening=use, route_error=err)
 
+    def measured_coverage(state, sel, sums):
+        """This ordinary step's coverage per matrix from the callers' local sample sums
+        ``{path: lead + (2,)}`` (layers with a basis; the others keep 1), pmean'd."""
+        bases = coverage_bases(state)
+        if not bases:  # no layer's factor has a basis: nothing can go stale
+            return state.coverage
+        if sums is None:
+            raise ValueError(
+                "gift: track_coverage=True needs gift_coverage={path: [Σ‖BᵀSx‖², Σ‖Sx‖²]} on "
+                "ordinary steps (gift_jax.whitening.capture.with_input_coverage with "
+                "coverage_bases(state))")
+        sums = check_stats("gift_coverage", sums, {p: sel[p].batch_shape + (2,) for p in bases})
+        cov = dict(state.coverage)
+        for path, v in sums.items():
+            v = pmean(jnp.asarray(v, jnp.float32).reshape(-1, 2), axis_name)
+            cov[path] = v[:, 0] / jnp.maximum(v[:, 1], 1e-30)
+        return cov
+
     def update_fn(
         updates, state, params=None, *, gift_stats=None, gift_output_stats=None,
-        gift_projection=None, **extra_args,
+        gift_projection=None, gift_coverage=None, gift_route_updates=None, **extra_args,
     ):
         sel = select_layers(updates, layers, dimension_numbers)
+        if gift_coverage is not None and (gift_stats is not None or not track_coverage):
+            raise ValueError("gift: gift_coverage is for the ordinary steps of a "
+                             "gift(track_coverage=True) stage (refreshes take gift_stats)")
         if gift_stats is not None:
             old_factors, old_use = state.factors, state.use_whitening or None
             state = refresh(state, sel, gift_stats, gift_output_stats, gift_projection)
             if routing:
-                state = route(updates, sel, state)
+                state = route(updates if gift_route_updates is None else gift_route_updates,
+                              sel, state)
             new_use = state.use_whitening or None
             # error feedback: from the old frame (W₁ where it was whitened, else I) to the new
             change = lambda t, old=old_factors, new=state.factors: transform(
@@ -643,21 +706,18 @@ def gift(
             moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
             state = state._replace(inner_state=reframe_error_feedback(
                 state.inner_state, reduce_stage, updates, change, moved))
-        elif gift_output_stats is not None or gift_projection is not None:
-            raise ValueError("gift: gift_output_stats/gift_projection need gift_stats")
+        elif (gift_output_stats is not None or gift_projection is not None
+              or gift_route_updates is not None):
+            raise ValueError("gift: gift_output_stats/gift_projection/gift_route_updates need "
+                             "gift_stats")
         else:
             state = state._replace(count=state.count + 1)
+            if track_coverage:
+                state = state._replace(coverage=measured_coverage(state, sel, gift_coverage))
         use = state.use_whitening or None
         whitened = transform(updates, sel, state.factors, wh.whiten, use)
         reduced, inner_state = inner.update(whitened, state.inner_state, params, **extra_args)
         out = transform(reduced, sel, state.factors, wh.unwhiten, use)
-        state = state._replace(inner_state=inner_state)
-        if track_coverage:  # from the reduced gradient: identical on every replica
-            leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-            cov = {path: jax.vmap(basis_coverage)(state.factors[path], lay.to_matrix(
-                leaves[path])) for path, lay in sel.items()}
-            state = state._replace(coverage=cov, coverage_ref=cov if gift_stats is not None
-                                   else state.coverage_ref)
-        return out, state
+        return out, state._replace(inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

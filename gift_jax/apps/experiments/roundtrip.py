@@ -684,12 +684,36 @@ def staleness_experiment(
             "codec": codec, "accumulate": accumulate, "layers": len(paths)}
 
 
-def _coverage(factor, g_mean: jax.Array) -> np.ndarray:
-    """Per-layer :func:`gift_jax.whitening.stage.basis_coverage` of a stacked factor on the
-    stacked mean gradient (L, n, m): the adaptive refresh's staleness signal."""
-    from gift_jax.whitening.stage import basis_coverage
+def _coverage(factor, a_mean: jax.Array) -> np.ndarray:
+    """Per-layer :func:`gift_jax.whitening.stage.input_coverage` of a stacked factor on the
+    stacked mean input second moment (L, n, n): the adaptive refresh's staleness signal."""
+    from gift_jax.whitening.stage import input_coverage
 
-    return np.asarray(jax.vmap(basis_coverage)(factor, g_mean))
+    return np.asarray(jax.vmap(input_coverage)(factor, a_mean))
+
+
+def _gradient_coverage(factor, g_mean: jax.Array) -> np.ndarray:
+    """Per-layer ``‖BᵀSG‖²/‖SG‖²`` of the stacked mean gradient (L, n, m): the gradient-based
+    staleness signal the library first used, kept here only to compare with the input one."""
+    from gift_jax.whitening.stage import coverage_basis
+
+    def one(f, g):
+        basis, scale = coverage_basis(f)
+        sg = scale[:, None] * g
+        return jnp.sum(jnp.matmul(basis.T, sg, precision="highest") ** 2) / jnp.sum(sg**2)
+
+    return np.asarray(jax.vmap(one)(factor, g_mean))
+
+
+def _signal_correlations(errors, fresh, signals) -> dict[str, dict[str, float]]:
+    """Per fixed-K schedule and signal: Pearson correlation over the steps between the
+    schedule's excess error (``error / fresh − 1``) and the signal's ratio to its value at the
+    schedule's last refresh (a good staleness signal: strongly negative)."""
+    out = {}
+    for n, by_signal in signals.items():
+        excess = np.asarray(errors[n]) / fresh - 1.0
+        out[n] = {k: float(np.corrcoef(excess, v)[0, 1]) for k, v in by_signal.items()}
+    return out
 
 
 def refresh_schedule_experiment(
@@ -697,8 +721,8 @@ def refresh_schedule_experiment(
     *,
     steps: int = 100,
     fixed: Sequence[int] = (10, 50),
-    thresholds: Sequence[float] = (0.8, 0.9, 0.95),
-    min_every: int = 10,
+    thresholds: Sequence[float] = (0.97, 0.975, 0.98),
+    min_every: int = 5,
     max_every: int = 200,
     rank: int = 32,
     replicas: int = 8,
@@ -720,9 +744,14 @@ def refresh_schedule_experiment(
     * ``adaptive τ`` for τ in ``thresholds``: the library's rule
       (:func:`gift_jax.whitening.stage.refresh_due_adaptive`): refresh at the first step, after
       ``max_every`` steps, or after at least ``min_every`` steps once the coverage ratio
-      ``c_{t−1}/c_ref < τ``, where ``c = ‖BᵀSG‖²/‖SG‖²`` is the basis coverage of the (exact)
-      mean gradient of the previous step with the factor then in use, ``c_ref`` its value on
-      the last refresh step, and the ratio the minimum over the layers.
+      ``c_{t−1}/c_ref < τ``, where ``c = tr(BᵀSĀSB)/tr(SĀS)`` is the input coverage of the
+      previous step's inputs (all 256 tokens of each replica: the trainer's sample size) with
+      the factor then in use, ``c_ref`` its value on the last refresh step, and the ratio the
+      minimum over the layers.
+
+    Signals compared (``correlations``): on each fixed-K schedule, the correlation over the
+    steps of its excess error with the input coverage ratio and with the gradient coverage
+    ratio ``‖BᵀSG‖²/‖SG‖²`` of the step's mean gradient (:func:`_gradient_coverage`).
 
     Returns the per-step whitened error of every schedule, its refresh steps, and per schedule
     ``mean`` (mean whitened error), ``ratio`` (mean / fresh's mean), ``worst_ratio`` (max over
@@ -735,6 +764,8 @@ def refresh_schedule_experiment(
     since = {n: 0 for n in names}
     ratio = {n: 1.0 for n in names}  # the adaptive signal of the previous step
     ref_cov: dict[str, np.ndarray] = {}
+    signals = {n: {"input": [], "gradient": []} for n in names if n.startswith("K=")}
+    ref_sig: dict[tuple[str, str], np.ndarray] = {}
     errors = {n: [] for n in names}
     refresh_steps = {n: [] for n in names}
     start, t0 = trainer.step, time.perf_counter()
@@ -743,6 +774,7 @@ def refresh_schedule_experiment(
             trainer.advance(1)
         cap = capture_replicas(trainer, fn, replicas * local_batch)
         paths = group_paths(cap, patterns)
+        a_mean = jnp.mean(_stack(cap.a, paths), axis=1)
         g_mean = jnp.mean(_stack(cap.grads, paths), axis=1)
         for n in names:
             if n == "fresh":
@@ -761,8 +793,14 @@ def refresh_schedule_experiment(
             res = evaluate_method(caps, paths, method, codec=codec, accumulate=accumulate,
                                   factor_step=0, damping=damping)
             errors[n].append(res["steps"][-1]["whitened"])
+            for kind, sig in (signals.get(n) or {}).items():
+                v = (_coverage(factor, a_mean) if kind == "input"
+                     else _gradient_coverage(factor, g_mean))
+                if due:
+                    ref_sig[n, kind] = v
+                sig.append(float(np.min(v / ref_sig[n, kind])))
             if n.startswith("adaptive"):
-                cov = _coverage(factor, g_mean)
+                cov = _coverage(factor, a_mean)
                 if due:
                     ref_cov[n] = cov
                 ratio[n] = float(np.min(np.where(ref_cov[n] > 0, cov / np.where(
@@ -779,7 +817,8 @@ def refresh_schedule_experiment(
     return {"start_step": start, "steps": steps, "errors": errors,
             "refresh_steps": refresh_steps, "summary": summary, "codec": codec,
             "accumulate": accumulate, "rank": rank, "min_every": min_every,
-            "max_every": max_every, "layers": len(paths)}
+            "max_every": max_every, "layers": len(paths),
+            "correlations": _signal_correlations(errors, fresh, signals)}
 
 
 def refresh_schedule_markdown(res: dict[str, Any]) -> str:
@@ -791,7 +830,14 @@ def refresh_schedule_markdown(res: dict[str, Any]) -> str:
     cols = ["schedule", "refreshes", "mean", "ratio", "worst_ratio"]
     titles = {"mean": "whitened-frame error (mean)", "ratio": "÷ fresh (mean)",
               "worst_ratio": "÷ fresh (worst step)"}
-    return head + markdown_table(res["summary"], cols, titles) + "\n"
+    corr = res.get("correlations") or {}
+    lines = [f"| {n} | {c['input']:+.2f} | {c['gradient']:+.2f} |" for n, c in corr.items()]
+    signal = ("\nStaleness signals: correlation over the steps of a fixed-K schedule's excess "
+              "error (÷ fresh − 1) with each signal's ratio to its value at the last refresh "
+              "(strongly negative = a good signal)\n\n| schedule | input coverage "
+              "tr(BᵀSĀSB)/tr(SĀS) | gradient coverage ‖BᵀSG‖²/‖SG‖² |\n|---|---|---|\n"
+              + "\n".join(lines) + "\n") if lines else ""
+    return head + markdown_table(res["summary"], cols, titles) + "\n" + signal
 
 
 def plot_refresh_schedules(res: dict[str, Any], path: str) -> None:
@@ -863,7 +909,14 @@ def staleness_markdown(res: dict[str, Any]) -> str:
     head = (f"\n#### Staleness — factor from step {res['start_step']} reused for k steps "
             f"({res['layers']} layers, {res['codec']}, {res['accumulate']} accumulation; "
             f"mean over the sampled k < K: {res['offsets']})\n")
-    return head + markdown_table(res["summary"], cols, titles) + "\n"
+    corr = res.get("correlations") or {}
+    lines = [f"| {n} | {c['input']:+.2f} | {c['gradient']:+.2f} |" for n, c in corr.items()]
+    signal = ("\nStaleness signals: correlation over the steps of a fixed-K schedule's excess "
+              "error (÷ fresh − 1) with each signal's ratio to its value at the last refresh "
+              "(strongly negative = a good signal)\n\n| schedule | input coverage "
+              "tr(BᵀSĀSB)/tr(SĀS) | gradient coverage ‖BᵀSG‖²/‖SG‖² |\n|---|---|---|\n"
+              + "\n".join(lines) + "\n") if lines else ""
+    return head + markdown_table(res["summary"], cols, titles) + "\n" + signal
 
 
 def plot_roundtrip(rows: Sequence[dict[str, Any]], path: str, codec: str = "fp8_e4m3") -> None:
