@@ -110,6 +110,25 @@ def test_route_frames_decide_by_their_own_error_adam_keeps_euclidean():
         assert (_use(st) == want).all(), frame
 
 
+@pytest.mark.parametrize("accumulate", ["fp32", "fp8"])
+def test_routing_measures_the_reduced_transport_ring_included(accumulate):
+    """The Euclidean error the router records is the error of the actual all-reduce (FP8 ring
+    accumulation included) against the exact mean, not a model of one quantization."""
+    kw = dict(codec=CODEC, accumulate=accumulate, global_scale=accumulate == "fp8")
+    tx = gift(allreduce("data", **kw), rank=4, route_frame="euclidean")
+    g, a = _data(0)
+    _, st = _per_device_step(tx, [])(_grads(g), _per_device_init(tx), a)
+    plain = jax.jit(jax.shard_map(
+        lambda x: allreduce("data", **kw).update(x[0], allreduce("data", **kw).init(x[0]))[0][
+            None], mesh=_mesh(), in_specs=P("data"), out_specs=P("data"), check_vma=False))(g)
+    exact = np.mean(np.asarray(g, np.float64), axis=0)
+    want = np.linalg.norm(np.asarray(plain[0], np.float64) - exact) / np.linalg.norm(exact)
+    err = np.asarray(st.route_error[KERNEL])  # (D, 2, 1)
+    assert (err == err[:1]).all()
+    np.testing.assert_allclose(err[0, 0, 0], want, rtol=1e-4)
+    assert err[0, 1, 0] > 0
+
+
 def test_bad_route_settings():
     with pytest.raises(ValueError, match=r"route_frame must be one of \('off', 'euclidean', "
                                          r"'whitened', 'adam', 'muon'\), got 'sgd'"):

@@ -206,7 +206,7 @@ def test_fp32_losses_equal_on_every_mesh_shape(optimizer, shapes):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, extra", [
     ("fp8", {"comm.error_feedback": True, "comm.stochastic_rounding": True}),
-    ("gift_fp8", {"comm.error_feedback": True}),
+    ("gift_fp8", {"comm.error_feedback": True, "gift.route_frame": "optimizer"}),
     ("plumage", {}),
 ])
 def test_low_precision_replicas_stay_identical_on_a_sharded_mesh(mode, extra):

@@ -38,6 +38,7 @@ from gift_jax.comm.collectives import (
     reframe_residuals,
     resolve_codecs,
 )
+from gift_jax.utils.tree_paths import leaf_path
 
 
 class AllReduceState(NamedTuple):
@@ -259,6 +260,40 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
 def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
     """The :class:`LocalShards` an :func:`allreduce` stage reduces on, or ``None``."""
     return getattr(stage.update, _SHARDS_ATTRIBUTE, None)
+
+
+def transport_only(stage: optax.GradientTransformation, leaves: dict[str, Any],
+                   full_tree: Any) -> dict[str, Any]:
+    """``leaves`` (``{path: array}``, a subset of the leaves of ``full_tree``, the tree the
+    :func:`allreduce` ``stage`` reduces) reduced by the stage's transport alone: its codecs
+    (each leaf's, as the policy resolves it on ``full_tree``), scaling, accumulation and
+    local shards, but no error feedback and rounding to nearest — what one exchange does to
+    these values.  Used to measure transports (GIFT's routing) without touching the stage's
+    state.  Inside the stage's ``shard_map``; the result is identical on every replica."""
+    spec, shards = allreduce_spec(stage), allreduce_shards(stage)
+    if spec is None:
+        raise ValueError("transport_only needs a gift_jax.allreduce stage")
+    flat = jax.tree_util.tree_flatten_with_path(full_tree)[0]
+    paths = [leaf_path(p) for p, _ in flat]
+    codecs = dict(zip(paths, resolve_codecs(full_tree, spec.codec, spec.block_size,
+                                            spec.policy), strict=True))
+    leaf_specs = None
+    if shards is not None:
+        leaf_specs = dict(zip(paths, jax.tree.leaves(
+            shards.specs(full_tree), is_leaf=lambda x: isinstance(x, PartitionSpec)),
+            strict=True))
+    out = {}
+    for codec in {codecs[p] for p in leaves}:  # one plain spec per codec among the leaves
+        group = {p: x for p, x in leaves.items() if codecs[p] == codec}
+        one = dataclasses.replace(spec, codec=codec, block_size=None, policy=None)
+        reduce = lambda t, one=one: all_reduce_tree(t, one)[0]
+        if shards is None:
+            out.update(reduce(group))
+        else:
+            specs = {p: leaf_specs[p] for p in group}
+            out.update(jax.shard_map(reduce, in_specs=(specs,), out_specs=specs,
+                                     axis_names=set(shards.axes), check_vma=False)(group))
+    return out
 
 
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:

@@ -63,13 +63,18 @@ whitened rows are zeroed (they cannot be mapped locally); GIFT never sees the bu
 
 Routing (``route_frame`` other than ``"off"``).  Whitening is not better in every frame: under
 fp32 accumulation it lowers the whitened-frame and Muon-update round-trip errors but raises the
-Euclidean and Adam-update ones.  On each refresh, after the new factors are built, every
-replica measures per selected matrix ``[‖φ(Q(G)) − φ(G)‖², ‖φ(W⁻¹Q(WG)) − φ(G)‖², ‖φ(G)‖²]``
-on its own gradient G (``Q``: the inner all-reduce's codec as a local quantize→dequantize;
-φ: :func:`frame_map`), the three are ``pmean``'d, and the matrix is sent whitened iff the
-pooled whitened error is strictly smaller (``GiftState.use_whitening``, identical on every
-replica), until the next refresh.  The transport is a traced ``jnp.where`` between ``W·G``
-and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never a recompilation.  The residual
+Euclidean and Adam-update ones, and FP8 ring accumulation changes the balance again.  On each
+refresh, after the new factors are built, the selected leaves of this step are reduced three
+ways: by the inner all-reduce's transport as they are (``Ĝ_E``) and whitened (``Ĝ_W =
+W⁻¹·AR(W·G)``; :func:`gift_jax.comm.stage.transport_only`: the stage's codec, scaling,
+accumulation and shards, without error feedback), and exactly (fp32 ``pmean``, ``Ḡ``).  Per
+matrix ``[‖φ(Ĝ_E) − φ(Ḡ)‖², ‖φ(Ĝ_W) − φ(Ḡ)‖², ‖φ(Ḡ)‖²]`` (φ: :func:`frame_map`) decides:
+the matrix is sent whitened iff its whitened error is strictly smaller
+(``GiftState.use_whitening``; every input is a reduced value, so identical on every replica),
+until the next refresh.  The measurement costs two quantized all-reduces and one fp32
+all-reduce of the selected leaves on refresh steps only.  The transport is a traced
+``jnp.where`` between ``W·G`` and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never
+a recompilation.  The residual
 frame of a matrix is ``F = W`` or ``I`` by its route, and the refresh reframes error feedback
 by ``F₂F₁⁻¹``.  With ``route_frame="off"`` the state has no routing leaves and the stage is the
 paper's GIFT, bit for bit.  A refresh may pass ``gift_route_updates=`` (a pytree like
@@ -96,9 +101,12 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax import whitening as wh
-from gift_jax.comm.codecs import roundtrip
-from gift_jax.comm.collectives import resolve_codecs
-from gift_jax.comm.stage import allreduce_axis, allreduce_spec, reframe_error_feedback
+from gift_jax.comm.stage import (
+    allreduce_axis,
+    allreduce_spec,
+    reframe_error_feedback,
+    transport_only,
+)
 from gift_jax.utils.axes import pmean
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
@@ -214,27 +222,6 @@ def frame_errors(approx: jax.Array, ref: jax.Array, frame: str, factor: Any,
     pooled relative error is √(Σ err² / Σ ref²)."""
     a, r = frame_map(approx, frame, factor, adam_eps), frame_map(ref, frame, factor, adam_eps)
     return jnp.stack([jnp.sum((a - r) ** 2), jnp.sum(r**2)])
-
-
-def route_errors(x: jax.Array, lay: MatrixView, factor: Any, codec: Any, frame: str,
-                 adam_eps: float = 1e-8) -> jax.Array:
-    """Squared round-trip errors of one leaf's two transports, shape (3, B):
-    ``[err²(Euclidean), err²(whitened), ref²]`` per matrix, in ``frame`` (:func:`frame_map`).
-
-    The round trip is the codec's local quantize→dequantize ``Q`` of the whole leaf (one scale
-    per tensor or per block, as the all-reduce encodes it; round to nearest): Euclidean
-    ``Ĝ = Q(G)``, whitened ``Ĝ = W⁻¹ Q(W G)``.  It models one quantization of a gradient of
-    this layer — each replica's contribution on the reduce-scatter leg, and the shard owner's
-    re-quantization of the mean on the all-gather leg — against the exact ``G``.
-    """
-    g = lay.to_matrix(jnp.asarray(x, jnp.float32))
-    euclid = lay.to_matrix(roundtrip(x, codec))
-    white = lay.from_matrix(jax.vmap(wh.whiten)(factor, g), shape=x.shape)
-    back = jax.vmap(wh.unwhiten)(factor, lay.to_matrix(roundtrip(white, codec)))
-    phi = jax.vmap(lambda m, f: frame_map(m, frame, f, adam_eps))
-    ref = phi(g, factor)
-    err2 = lambda a: jnp.sum((phi(a, factor) - ref) ** 2, axis=(-2, -1))
-    return jnp.stack([err2(euclid), err2(back), jnp.sum(ref**2, axis=(-2, -1))])
 
 
 def whitened_fraction(state: GiftState) -> jax.Array | None:
@@ -421,8 +408,8 @@ def gift(
       route_frame: one of :data:`ROUTE_FRAMES`.  ``"off"`` (default, the paper's GIFT):
         every selected layer is whitened.  Otherwise each refresh measures, per selected
         matrix and from that step's gradients, the round-trip error of both transports in this
-        frame (:func:`route_errors`; squared errors averaged over the replicas, so every
-        replica takes the same decision) and sends the matrix whitened only where that is
+        frame, on the reduced transports against the exact fp32 mean (module docstring;
+        every replica takes the same decision) and sends the matrix whitened only where that is
         strictly better, until the next refresh (``GiftState.use_whitening``).  Pick the frame
         the optimizer consumes: ``"adam"`` for AdamW, ``"muon"`` for Muon (the round-trip
         tables: whitening helps the whitened-frame and Muon errors but hurts the Euclidean and
@@ -649,20 +636,30 @@ def gift(
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def route(updates, sel, state):
-        """New ``use_whitening``/``route_error`` from this step's local gradients and the
-        (new) factors: per-matrix squared errors pmean'd over the replicas (identical
-        everywhere), whitened where strictly better."""
-        spec = allreduce_spec(reduce_stage)
-        flat = jax.tree_util.tree_flatten_with_path(updates)[0]
-        codecs = dict(zip((leaf_path(p) for p, _ in flat),
-                          resolve_codecs(updates, spec.codec, spec.block_size, spec.policy),
-                          strict=True))
-        leaves = {leaf_path(p): v for p, v in flat}
+        """New ``use_whitening``/``route_error`` from this step's gradients and the (new)
+        factors, measured on the reduced transports: the selected leaves are reduced both ways
+        by the inner stage's transport (:func:`~gift_jax.comm.stage.transport_only`: its
+        codec, scaling, accumulation and shards; no error feedback) and once exactly (fp32
+        ``pmean``), and each matrix is whitened where its whitened error in the frame is
+        strictly smaller.  Every input of the decision is a reduced value: identical on every
+        replica by construction."""
+        leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
+        g = {path: leaves[path] for path in sel}
+        white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
+            state.factors[path], lay.to_matrix(g[path])), shape=g[path].shape).astype(
+                g[path].dtype) for path, lay in sel.items()}
+        euclid = transport_only(reduce_stage, g, updates)
+        whitened = transport_only(reduce_stage, white, updates)
         use, err = {}, {}
         for path, lay in sel.items():
-            e = route_errors(leaves[path], lay, state.factors[path], codecs[path], route_frame,
-                             route_adam_eps)
-            e = pmean(e, axis_name)
+            f = state.factors[path]
+            exact = lay.to_matrix(pmean(jnp.asarray(g[path], jnp.float32), axis_name))
+            back = jax.vmap(wh.unwhiten)(f, lay.to_matrix(whitened[path]))
+            errs = jax.vmap(lambda a, b, r, fi: jnp.stack([
+                frame_errors(a, r, route_frame, fi, route_adam_eps)[0],
+                *frame_errors(b, r, route_frame, fi, route_adam_eps)]))(
+                    lay.to_matrix(euclid[path]).astype(jnp.float32), back, exact, f)
+            e = errs.T  # (3, B): [err²(Euclidean), err²(whitened), ref²]
             use[path] = e[1] < e[0]
             err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
         return state._replace(use_whitening=use, route_error=err)
