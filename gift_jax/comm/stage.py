@@ -262,14 +262,15 @@ def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
     return getattr(stage.update, _SHARDS_ATTRIBUTE, None)
 
 
-def transport_only(stage: optax.GradientTransformation, leaves: dict[str, Any],
-                   full_tree: Any) -> dict[str, Any]:
-    """``leaves`` (``{path: array}``, a subset of the leaves of ``full_tree``, the tree the
-    :func:`allreduce` ``stage`` reduces) reduced by the stage's transport alone: its codecs
-    (each leaf's, as the policy resolves it on ``full_tree``), scaling, accumulation and
-    local shards, but no error feedback and rounding to nearest — what one exchange does to
-    these values.  Used to measure transports (GIFT's routing) without touching the stage's
-    state.  Inside the stage's ``shard_map``; the result is identical on every replica."""
+def transport_only(stage: optax.GradientTransformation, full_tree: Any,
+                   *variants: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of ``variants`` (``{path: array}``, values for a subset of the leaves of
+    ``full_tree``, the tree the :func:`allreduce` ``stage`` reduces) reduced by the stage's
+    transport alone: its codecs (each leaf's, as the policy resolves it on ``full_tree``),
+    scaling, accumulation and local shards, but no error feedback and rounding to nearest —
+    what one exchange does to these values.  All variants go in one reduction per codec.
+    Used to measure transports (GIFT's routing) without touching the stage's state.  Inside
+    the stage's ``shard_map``; the results are identical on every replica."""
     spec, shards = allreduce_spec(stage), allreduce_shards(stage)
     if spec is None:
         raise ValueError("transport_only needs a gift_jax.allreduce stage")
@@ -282,17 +283,21 @@ def transport_only(stage: optax.GradientTransformation, leaves: dict[str, Any],
         leaf_specs = dict(zip(paths, jax.tree.leaves(
             shards.specs(full_tree), is_leaf=lambda x: isinstance(x, PartitionSpec)),
             strict=True))
-    out = {}
-    for codec in {codecs[p] for p in leaves}:  # one plain spec per codec among the leaves
-        group = {p: x for p, x in leaves.items() if codecs[p] == codec}
+    keyed = {(i, p): x for i, v in enumerate(variants) for p, x in v.items()}
+    out: list[dict[str, Any]] = [{} for _ in variants]
+    for codec in sorted({codecs[p] for _, p in keyed}, key=repr):  # one reduction per codec
+        group = {f"{i}/{p}": x for (i, p), x in keyed.items() if codecs[p] == codec}
         one = dataclasses.replace(spec, codec=codec, block_size=None, policy=None)
         reduce = lambda t, one=one: all_reduce_tree(t, one)[0]
         if shards is None:
-            out.update(reduce(group))
+            reduced = reduce(group)
         else:
-            specs = {p: leaf_specs[p] for p in group}
-            out.update(jax.shard_map(reduce, in_specs=(specs,), out_specs=specs,
-                                     axis_names=set(shards.axes), check_vma=False)(group))
+            specs = {k: leaf_specs[k.split("/", 1)[1]] for k in group}
+            reduced = jax.shard_map(reduce, in_specs=(specs,), out_specs=specs,
+                                    axis_names=set(shards.axes), check_vma=False)(group)
+        for k, x in reduced.items():
+            i, p = k.split("/", 1)
+            out[int(i)][p] = x
     return out
 
 

@@ -9,25 +9,51 @@ is affected: on a GPU or TPU host the accelerators are the devices, as before. A
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
-__all__ = ["FORCE_COUNT_FLAG", "simulate_cpu_devices"]
+__all__ = ["FORCE_COUNT_FLAG", "YNN_FUSION_FLAG", "avoid_cpu_dot_crash", "simulate_cpu_devices"]
 
 #: The XLA flag that sets the number of CPU devices; when ``XLA_FLAGS`` holds it, it decides.
 FORCE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+#: XLA:CPU's YNNPACK fusions (an experimental dot backend) crash with SIGSEGV in jaxlib 0.10.x
+#: and 0.11.x (in ``ynn::dot_fp32_5x64x1_1x16x1_avx512``) on some fp32 dots, e.g. in the refresh
+#: step of GIFT with routing on the tiny Llama; jaxlib 0.12 runs the same program. Setting the
+#: fusion type to empty turns the YNN fusions off (XLA's own dot emitters run instead).
+YNN_FUSION_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+
+
+def avoid_cpu_dot_crash() -> bool:
+    """Adds ``--xla_cpu_experimental_ynn_fusion_type=`` to ``XLA_FLAGS`` when the installed
+    jaxlib is affected (0.10 ≤ version < 0.12) and ``XLA_FLAGS`` does not set the flag already.
+    Call it before JAX initialises its backends (the scripts and the tests do); returns
+    whether the flag was added."""
+    try:
+        major_minor = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not (0, 10) <= major_minor < (0, 12) or YNN_FUSION_FLAG in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {YNN_FUSION_FLAG}=".strip()
+    return True
 
 
 def simulate_cpu_devices(count: int) -> bool:
     """Gives JAX's CPU backend ``count`` devices, unless ``XLA_FLAGS`` already sets a count.
 
     Call it before the first JAX operation (importing JAX or :mod:`gift_jax` is fine): JAX
-    refuses the setting once its backends are initialised. Returns whether the count was set.
+    refuses the setting once its backends are initialised. Also applies
+    :func:`avoid_cpu_dot_crash`. Returns whether the count was set.
 
     Raises:
       ValueError: ``count`` is not a positive int.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"the number of simulated CPU devices must be an int >= 1, got {count!r}")
+    avoid_cpu_dot_crash()
     if FORCE_COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return False
     import jax

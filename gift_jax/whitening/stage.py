@@ -648,8 +648,7 @@ def gift(
         white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
             state.factors[path], lay.to_matrix(g[path])), shape=g[path].shape).astype(
                 g[path].dtype) for path, lay in sel.items()}
-        euclid = transport_only(reduce_stage, g, updates)
-        whitened = transport_only(reduce_stage, white, updates)
+        euclid, whitened = transport_only(reduce_stage, updates, g, white)
         use, err = {}, {}
         for path, lay in sel.items():
             f = state.factors[path]
