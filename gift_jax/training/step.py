@@ -145,20 +145,14 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
             fn = kfac_value_and_grad(loss_fn, capture_layers)
             (loss, stats), g = fn(model_def.merge(p), toks)
             return loss, nnx.to_pure_dict(g), stats
-        if capture_layers:
-            from gift_jax.whitening.capture import with_input_stats
+        if capture_layers or coverage_bases:
+            from gift_jax.whitening.capture import with_input_coverage, with_input_stats
 
-            fn = with_input_stats(loss_fn, capture_layers)
+            fn = (with_input_stats(loss_fn, capture_layers) if capture_layers
+                  else with_input_coverage(loss_fn, coverage_bases))
             (loss, stats), g = jax.value_and_grad(
                 lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
             return loss, g, stats
-        if coverage_bases:
-            from gift_jax.whitening.capture import with_input_coverage
-
-            fn = with_input_coverage(loss_fn, coverage_bases)
-            (loss, sums), g = jax.value_and_grad(
-                lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
-            return loss, g, sums
         loss, g = jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p)
         return loss, g, {}
 

@@ -33,6 +33,13 @@ averages the local means over the data axis (equal local batch sizes assumed).  
 chosen by the same path rule as :func:`gift_jax.gift.gift`: a pattern matches the module path
 (``*/mlp/down_proj``) or the kernel path.
 
+Input coverage (GIFT's adaptive refresh, ordinary steps).  :func:`with_input_coverage` wraps
+a loss the same way but, instead of ``A``, adds ``[Σ‖BᵀSx‖², Σ‖Sx‖²]`` over a sample of about
+``samples`` input rows per call, with ``B, S`` the basis and input scale of each layer's current
+factor (:func:`gift_jax.whitening.stage.coverage_bases`): O(samples·n·r) per layer, so a stage
+with ``track_coverage=True`` can tell on every step how much of the inputs its rank-r basis
+still captures.
+
 Output side (two-sided K-FAC, ``gift(..., two_sided=True)``).  K-FAC (Martens & Grosse 2015,
 "Optimizing Neural Networks with Kronecker-factored Approximate Curvature", §3) approximates
 the Fisher block of a linear layer ``y = x W`` by ``A ⊗ B`` with ``A = E[x xᵀ]`` and
