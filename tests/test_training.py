@@ -23,6 +23,9 @@ _WORKER = __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worke
 if _WORKER:  # a process of the multi-process test: 4 CPU devices, gloo collectives
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    from gift_jax.utils.cpu_devices import avoid_cpu_dot_crash
+
+    avoid_cpu_dot_crash()  # the same XLA:CPU dot emitters as the test process (conftest)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

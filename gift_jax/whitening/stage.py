@@ -259,9 +259,9 @@ def input_coverage(factor: Any, a: jax.Array) -> jax.Array:
     refresh it is computed from the step's reduced ``A`` with the new factor: the reference.
     Why inputs and not the reduced gradient ``Ĝ = Σ_t x_t δ_tᵀ`` (free on every step): ``Ĝ``'s
     input-side energy is weighted by the step's backpropagated errors and jumps from step to
-    step; on the tiny model (docs/gift_results.md, refresh schedules) the excess whitened-frame
-    error of a stale factor correlates −0.94 with the input coverage ratio and −0.64 with the
-    gradient's.
+    step; on the tiny model (docs/gift_results.md, refresh schedules, 3 seeds) the excess
+    whitened-frame error of a factor refreshed every 10 steps correlates −0.87 … −0.93 with
+    the input coverage ratio and −0.47 … −0.68 with the gradient's.
     """
     bs = coverage_basis(factor)
     if bs is None:
