@@ -218,7 +218,7 @@ def _flat_shapes(path: pathlib.Path) -> dict:
 
 def test_every_config_file_is_tested():
     names = {p.stem for p in CONFIG_FILES}
-    expected = {"base", "tiny", "gift_llama_300m", "gift_llama_600m"}
+    expected = {"base", "tiny", "small", "gift_llama_300m", "gift_llama_600m"}
     expected |= {"llama_60m", "llama_130m", "llama_350m", "llama_1b"}
     assert expected <= names
 
