@@ -909,14 +909,7 @@ def staleness_markdown(res: dict[str, Any]) -> str:
     head = (f"\n#### Staleness — factor from step {res['start_step']} reused for k steps "
             f"({res['layers']} layers, {res['codec']}, {res['accumulate']} accumulation; "
             f"mean over the sampled k < K: {res['offsets']})\n")
-    corr = res.get("correlations") or {}
-    lines = [f"| {n} | {c['input']:+.2f} | {c['gradient']:+.2f} |" for n, c in corr.items()]
-    signal = ("\nStaleness signals: correlation over the steps of a fixed-K schedule's excess "
-              "error (÷ fresh − 1) with each signal's ratio to its value at the last refresh "
-              "(strongly negative = a good signal)\n\n| schedule | input coverage "
-              "tr(BᵀSĀSB)/tr(SĀS) | gradient coverage ‖BᵀSG‖²/‖SG‖² |\n|---|---|---|\n"
-              + "\n".join(lines) + "\n") if lines else ""
-    return head + markdown_table(res["summary"], cols, titles) + "\n" + signal
+    return head + markdown_table(res["summary"], cols, titles) + "\n"
 
 
 def plot_roundtrip(rows: Sequence[dict[str, Any]], path: str, codec: str = "fp8_e4m3") -> None:
