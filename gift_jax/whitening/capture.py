@@ -234,6 +234,33 @@ def output_probes(model: nnx.Module, layers: Sequence[str]) -> dict[str, jax.Arr
     return out
 
 
+def _swap_in(module: nnx.Linear, saved: Any) -> tuple[Any, type, Any]:
+    """Give ``module`` its capturing class; the handle entry ``(module, original class,
+    saved attribute registry)`` that :func:`remove_capture` restores from."""
+    orig = type(module)
+    # bypass nnx's __setattr__: the class is not graph data
+    object.__setattr__(module, "__class__", _capturing_class(orig))
+    return module, orig, saved
+
+
+def _capturing(loss_fn: Callable[..., Any], install: Callable[[Any], dict],
+               read: Callable[[dict], dict]) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
+    """``loss_fn(model, ...)`` → ``(out, read(handle))`` with ``install(model)`` in effect for
+    the call; the model is restored before returning, also on error."""
+
+    @functools.wraps(loss_fn)
+    def wrapped(model, *args, **kwargs):
+        handle = install(model)
+        try:
+            out = loss_fn(model, *args, **kwargs)
+            captured = read(handle)
+        finally:
+            remove_capture(handle)
+        return out, captured
+
+    return wrapped
+
+
 def install_capture(
     model: nnx.Module,
     layers: Sequence[str],
@@ -269,10 +296,7 @@ def install_capture(
                     f"{lead + (m, m)}"
                 )
             setattr(module, _PROBE, GiftOutputProbe(jnp.asarray(probe, jnp.float32)))
-        orig = type(module)
-        # bypass nnx's __setattr__: the class is not graph data
-        object.__setattr__(module, "__class__", _capturing_class(orig))
-        handle[path] = (module, orig, saved)
+        handle[path] = _swap_in(module, saved)
     return handle
 
 
@@ -324,9 +348,7 @@ def install_coverage(
         setattr(module, _SCALE, GiftCoverageBasis(scale.reshape(lead + (n,))))
         setattr(module, _COVERAGE, GiftCoverageSum(jnp.zeros(lead + (2,), jnp.float32),
                                                    samples=samples))
-        orig = type(module)
-        object.__setattr__(module, "__class__", _capturing_class(orig))
-        handle[path] = (module, orig, saved)
+        handle[path] = _swap_in(module, saved)
     return handle
 
 
@@ -352,17 +374,7 @@ def with_input_coverage(
     and layers applied more than once add up; only their ratio is used.
     """
 
-    @functools.wraps(loss_fn)
-    def wrapped(model, *args, **kwargs):
-        handle = install_coverage(model, bases, samples)
-        try:
-            out = loss_fn(model, *args, **kwargs)
-            sums = input_coverage(handle)
-        finally:
-            remove_capture(handle)
-        return out, sums
-
-    return wrapped
+    return _capturing(loss_fn, lambda m: install_coverage(m, bases, samples), input_coverage)
 
 
 def with_input_stats(
@@ -375,17 +387,7 @@ def with_input_stats(
     unpacked by the caller).  The model is restored before returning, also on error.
     """
 
-    @functools.wraps(loss_fn)
-    def wrapped(model, *args, **kwargs):
-        handle = install_capture(model, layers)
-        try:
-            out = loss_fn(model, *args, **kwargs)
-            stats = input_stats(handle)
-        finally:
-            remove_capture(handle)
-        return out, stats
-
-    return wrapped
+    return _capturing(loss_fn, lambda m: install_capture(m, layers), input_stats)
 
 
 def kfac_value_and_grad(
