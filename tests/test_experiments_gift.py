@@ -152,21 +152,33 @@ def test_bench_gift_step_and_flops():
     assert fl["step_over_train"] < 1e-3
 
 
-@pytest.mark.slow
-def test_experiments_drive_the_trainers_loop():
-    """The round-trip experiment trains with the library's trainer: its parameters after
-    k steps are bit-identical to ``gift_jax.training.train``'s for the same config."""
-    from gift_jax.training import complete_config, train
+def _one_block_tiny(num_steps: int):
+    """``configs/tiny.py`` shrunk to one 32-wide block, 16-token sequences, 8 per step."""
+    from gift_jax.training import complete_config
 
     config = complete_config(load_config("tiny", ROOT / "configs"))
     with config.unlocked():
         config.model.num_layers, config.model.d_model, config.model.d_ff = 1, 32, 64
         config.model.num_heads, config.train.seq_len = 2, 16
-        config.train.global_batch_size, config.train.num_steps = 8, 6
+        config.train.global_batch_size, config.train.num_steps = 8, num_steps
         config.optimizer.warmup_steps = 2
-    trainer, caps = rt.train_and_capture(config, train_steps=3, capture_steps=2, replicas=4,
-                                         local_batch=2, layers=("*/mlp/down_proj",),
-                                         output_stats=False, log_every=0)
+    return config
+
+
+def _train_and_capture(config, **kwargs):
+    """:func:`rt.train_and_capture` on 4 replicas × 2 sequences, down_proj, input side."""
+    return rt.train_and_capture(config, replicas=4, local_batch=2, layers=("*/mlp/down_proj",),
+                                output_stats=False, log_every=0, **kwargs)
+
+
+@pytest.mark.slow
+def test_experiments_drive_the_trainers_loop():
+    """The round-trip experiment trains with the library's trainer: its parameters after
+    k steps are bit-identical to ``gift_jax.training.train``'s for the same config."""
+    from gift_jax.training import train
+
+    config = _one_block_tiny(num_steps=6)
+    trainer, caps = _train_and_capture(config, train_steps=3, capture_steps=2)
     assert trainer.step == 4 and len(caps) == 2 and len(trainer.losses) == 4
     assert caps[0].grads["layers/0/mlp/down_proj/kernel"].shape == (4, 64, 32)
     with config.unlocked():
@@ -182,17 +194,8 @@ def test_experiments_drive_the_trainers_loop():
 def test_refresh_schedule_experiment_smoke():
     """A 6-step walk of the schedules: fresh refreshes every step, K=3 at steps 0 and 3, the
     adaptive rule within its bounds; the signal table covers the fixed schedules."""
-    from gift_jax.training import complete_config
-
-    config = complete_config(load_config("tiny", ROOT / "configs"))
-    with config.unlocked():
-        config.model.num_layers, config.model.d_model, config.model.d_ff = 1, 32, 64
-        config.model.num_heads, config.train.seq_len = 2, 16
-        config.train.global_batch_size, config.train.num_steps = 8, 12
-        config.optimizer.warmup_steps = 2
-    trainer, _ = rt.train_and_capture(config, train_steps=2, capture_steps=1, replicas=4,
-                                      local_batch=2, layers=("*/mlp/down_proj",),
-                                      output_stats=False, log_every=0)
+    trainer, _ = _train_and_capture(_one_block_tiny(num_steps=12), train_steps=2,
+                                    capture_steps=1)
     res = rt.refresh_schedule_experiment(trainer, steps=6, fixed=(3,), thresholds=(0.99,),
                                          min_every=1, max_every=4, rank=4, replicas=4,
                                          verbose=False)
