@@ -31,6 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
     model.init_std = 0.02  # std of the normal init of kernels and embedding
     model.attention_impl = "reference"  # "reference" (einsum, fp32 softmax) | "jax" (cuDNN/XLA)
     model.remat = False  # recompute block activations in the backward pass
+    # what a rematerialised block keeps: "nothing_saveable" | "dots_saveable" |
+    # "dots_with_no_batch_dims_saveable" | "everything_saveable" (jax.checkpoint_policies)
+    model.remat_policy = "nothing_saveable"
+    model.scan_layers = False  # stack the blocks and nnx.scan them (compile time flat in depth)
 
     # ------------------------------------------------------------------ optimizer
     opt = config.optimizer = ml_collections.ConfigDict()

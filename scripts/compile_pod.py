@@ -1,14 +1,20 @@
-"""Compile (never run) the train step of a large config on a simulated pod mesh: per-device
-memory and per-step bytes across the data axis, in every communication mode.
+"""Compile (never run) the train step of a large config for a pod: per-device memory against
+the chip's HBM, bytes per step across the data axis (and across slices), the collective
+schedule and compile time, in every communication mode.
 
-    python scripts/compile_pod.py --config llama_1b --mesh 8,8,1 --mesh 8,4,2 \
-        --set mesh.rules.mlp= --out docs/pod
-    python scripts/compile_pod.py --config llama_7b --mesh 8,8,1 --mesh 8,4,2 --out docs/pod
+With the TPU compiler (``pip install -e ".[tpu]"``: libtpu's compile-only devices, no TPU
+needed), for a real topology, one slice or several::
+
+    python scripts/compile_pod.py --config llama_7b --topology v5p-128 --mesh 8,8,1
+    python scripts/compile_pod.py --config llama_1b --topology v5e-256 --slices 2 --mesh 32,8,1
+
+Without libtpu, or with ``--devices N``, XLA:CPU compiles on ``N`` simulated CPU devices (the
+partitioning is the same, temporaries and schedule are XLA:CPU's)::
+
+    python scripts/compile_pod.py --config llama_1b --devices 64 --mesh 8,8,1 --mesh 8,4,2
     python scripts/compile_pod.py --config tiny --devices 16 --mesh 2,4,2 --set model.num_layers=2
 
-The devices are simulated CPU devices (``--devices``, 64 by default); nothing is allocated
-beyond the compiler's own memory. See :mod:`gift_jax.apps.pod` for what a CPU compile does and
-does not say about a GPU/TPU compile.
+The output says which compiler ran. See :mod:`gift_jax.apps.pod`.
 """
 
 import argparse
@@ -21,7 +27,13 @@ import sys
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="llama_1b", help="a name in configs/ or a path")
-    parser.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
+    parser.add_argument("--topology", default=None,
+                        help="a TPU slice to compile for with libtpu: v5p-128, v5e-256, "
+                             "v6e-64, v4-128 ... or v5p:4x4x4")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="slices of --topology (multi-slice: data runs across them)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="simulated CPU devices (XLA:CPU; 64 without --topology)")
     parser.add_argument("--mesh", action="append", default=None,
                         help="data,fsdp,tensor (repeatable; default 8,8,1 and 8,4,2)")
     parser.add_argument("--modes", default="fp32,fp8,gift_fp8,plumage_fp8",
@@ -30,23 +42,44 @@ def parse_args(argv=None):
                         help="also compile the GIFT/PLUMAGE refresh variants")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="config override, e.g. mesh.rules.mlp= or model.num_layers=2")
-    parser.add_argument("--out", default=None, help="directory for pod.json and pod.md")
+    parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.topology and args.devices:
+        print("error: --topology (TPU compiler) and --devices (simulated CPU devices) exclude "
+              "each other", file=sys.stderr)
+        return 2
+    devices = args.devices or (None if args.topology else 64)
     if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")
+        if devices:
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_force_host_platform_device_count={devices}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     from gift_jax.apps.pod import MODES, compile_mode, markdown_table
     from gift_jax.training.config import ConfigError, apply_overrides, load_config
+    from gift_jax.utils import tpu
 
     configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
     try:
+        topology = None
+        if args.topology:
+            topology = tpu.parse_topology(args.topology, args.slices)
+            pod = tpu.topology_devices(topology)
+            print(f"compiler: TPU (libtpu), {topology.label}: {len(pod)} chips of "
+                  f"{pod[0].device_kind}, {tpu.HBM_GIB[topology.generation]} GiB HBM each",
+                  flush=True)
+        else:
+            if len(jax.devices()) != devices:
+                raise ConfigError(f"--devices={devices} but JAX sees {len(jax.devices())} "
+                                  "devices (XLA_FLAGS was set before this script)")
+            pod = jax.devices()
+            print(f"compiler: XLA:CPU on {devices} simulated devices (no TPU compiler: "
+                  "temporaries and schedule are XLA:CPU's)", flush=True)
         config = load_config(args.config, configs)
         config = apply_overrides(config, [tuple(s.split("=", 1)) for s in args.set])
         modes = args.modes.split(",")
@@ -54,16 +87,19 @@ def main(argv=None) -> int:
         if unknown:
             raise ConfigError(f"--modes {unknown} unknown; allowed: {', '.join(MODES)}")
         meshes = [tuple(int(v) for v in m.split(",")) for m in (args.mesh or ["8,8,1", "8,4,2"])]
-        if len(jax.devices()) != args.devices:
-            raise ConfigError(f"--devices={args.devices} but JAX sees {len(jax.devices())} "
-                              "devices (XLA_FLAGS was set before this script)")
+        for mesh in meshes:
+            if args.slices > 1 and mesh[0] % args.slices:
+                raise ConfigError(f"--slices={args.slices} does not divide mesh.data={mesh[0]} "
+                                  f"(--mesh {','.join(map(str, mesh))}): data runs across the "
+                                  "slices")
         rows = []
         for mesh in meshes:
             for mode in modes:
-                for row in compile_mode(config, mode, mesh, refresh=args.refresh):
+                for row in compile_mode(config, mode, mesh, pod, refresh=args.refresh,
+                                        topology=topology):
                     rows.append(row)
                     print(json.dumps(row.row()), flush=True)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
@@ -72,6 +108,8 @@ def main(argv=None) -> int:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = pathlib.Path(args.config).stem
+        if topology is not None:
+            name += "_" + topology.label.replace(" ", "")
         (out / f"{name}.json").write_text(json.dumps([r.row() for r in rows], indent=1))
         (out / f"{name}.md").write_text(table + "\n")
     return 0

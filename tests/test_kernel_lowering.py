@@ -91,7 +91,7 @@ def test_block_size_that_triton_cannot_tile_falls_back_with_one_warning(monkeypa
     assert reason is not None and "power of 2" in reason
     assert kb.lowering_error("quantize", codec, (x, None, None), "tpu") is None
 
-    monkeypatch.setattr(kb, "device_platform", lambda: "gpu")  # pretend this host is a GPU
+    monkeypatch.setattr(kb, "target_device", lambda: ("gpu", None))  # pretend the target is a GPU
     monkeypatch.setattr(kb, "_warned", set())
     with pytest.warns(RuntimeWarning, match=r"kernel 'quantize' does not build for codec "
                       r"'fp8_e4m3' \(block_size=48\) on gpu; using the XLA path.*power of 2"):

@@ -273,4 +273,4 @@ def test_pod_compile_script_smoke(tmp_path):
     assert rows["fp32"]["vs_replicated_dp"] == pytest.approx((1 / 8) * (1 / 2) / (15 / 16),
                                                              rel=0.05)
     assert rows["fp8"]["args_GiB"] > 0 and rows["fp8"]["replica_MiB"] > 0
-    assert (tmp_path / "tiny.md").read_text().startswith("| mode |")
+    assert (tmp_path / "tiny.md").read_text().startswith("| compiler | topology | mode |")

@@ -1,10 +1,16 @@
-"""Pod-scale evidence without a pod: compile (never run) the train step of a large config on a
-simulated device mesh and read per-device memory and cross-replica bytes.
+"""Pod-scale evidence without a pod: compile (never run) the train step of a large config for
+a pod's devices and read per-device memory, cross-replica bytes and the collective schedule.
 
-The step is the trainer's own (:class:`~gift_jax.training.program.Program`): lowered for the
-config's mesh over simulated CPU devices (``--xla_force_host_platform_device_count``) and
-compiled by XLA:CPU, with every array abstract, so a 7B model needs no memory beyond the
-compiler's. From the compiled executable:
+The step is the trainer's own (:class:`~gift_jax.training.program.Program`), with every
+array abstract, so a 7B model needs no memory beyond the compiler's. Two compilers:
+
+* **the TPU compiler** (``devices`` from :func:`gift_jax.utils.tpu.topology_devices`, libtpu's
+  compile-only devices of a real slice or multi-slice job): the program a pod would run —
+  HBM buffer assignment, Mosaic kernels, the latency-hiding scheduler;
+* **XLA:CPU** on simulated CPU devices (``--xla_force_host_platform_device_count``), the
+  fallback without libtpu: the partitioning is the same, temporaries and schedule are not.
+
+From the compiled executable:
 
 * memory per device (``compiled.memory_analysis()``): arguments (parameters, optimizer
   state, batch), temporaries (activations, gradients, buffers of the collectives), outputs not
@@ -13,7 +19,13 @@ compiler's. From the compiled executable:
   span ``data`` (:meth:`gift_jax.WireReport.over`), against an fp32 all-reduce of the same
   local shard and against an fp32 all-reduce of the whole model (replicated data parallelism);
   and the bytes of GSPMD's collectives inside a replica (``fsdp``/``tensor``: gathered
-  weights, reduced activations and gradients, and what GIFT/PLUMAGE add there).
+  weights, reduced activations and gradients, and what GIFT/PLUMAGE add there);
+* on a multi-slice job, the bytes of collectives whose groups span slices (over the
+  data-centre network, DCN) and of those inside one slice (ICI);
+* from the scheduled HLO (:func:`schedule_overlap`), whether the collectives across ``data``
+  are asynchronous (``*-start``/``*-done`` pairs) and how many compute ops the scheduler put
+  between each start and its done, and the share of cross-data bytes issued before the last
+  matmul of the step (the end of the backward pass).
 
 What a CPU compile does and does not tell: the partitioning (which arrays are split, which
 collectives GSPMD inserts, the quantized reduction's bytes) is decided before the backend and
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +46,7 @@ from typing import Any
 import jax
 import ml_collections
 
+import gift_jax
 from gift_jax.models import count_params
 from gift_jax.training.config import complete_config, set_fields, validate_config
 from gift_jax.training.mesh import data_axes, mesh_from_config, model_axes
@@ -45,6 +59,87 @@ MODES: dict[str, tuple[str, str]] = {
     "gift_fp8": ("fp8_e4m3", "gift"),
     "plumage_fp8": ("fp8_e4m3", "plumage"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """How the scheduler placed the collectives across ``data`` (see :func:`schedule_overlap`)."""
+
+    collectives: int  # collectives across data in the scheduled HLO
+    asynchronous: int  # of them, split into a *-start/*-done pair
+    compute_between: tuple[int, ...]  # compute ops between each async start and its done
+    bytes_before_last_matmul: float  # share of cross-data bytes issued before the last matmul
+
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*.+?\s+(?P<op>[\w\-]+)\(")
+_COMPUTE = ("fusion", "convolution", "dot", "custom-call")
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather", "collective-permute")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """The HLO module's computations, by name, as lists of instruction lines (in the
+    scheduled order of a compiled module)."""
+    out: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            out[name] = []
+        elif name is not None and line.startswith(" "):
+            out[name].append(line)
+    return out
+
+
+def _is_matmul(line: str, computations: dict[str, list[str]]) -> bool:
+    """A convolution/dot, or a fusion whose computation holds one."""
+    m = _OP.match(line)
+    if m is None:
+        return False
+    if m.group("op") in ("convolution", "dot"):
+        return True
+    called = re.search(r"calls=(%?[\w.\-]+)", line)
+    if m.group("op") == "fusion" and called:
+        return any(_OP.match(x) and _OP.match(x).group("op") in ("convolution", "dot")
+                   for x in computations.get(called.group(1), ()))
+    return False
+
+
+def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
+    """Reads the scheduled HLO (``compiled.as_text()``) of the computation holding the most
+    collectives across ``axes``: how many of them are asynchronous, the compute ops
+    (fusions, matmuls, kernels) between each ``*-start`` and its ``*-done``, and the share of
+    their bytes whose start comes before the computation's last matmul."""
+    comps = _computations(hlo_text)
+    best = None
+    for body in comps.values():
+        ops = []
+        for i, line in enumerate(body):
+            m = _OP.match(line)
+            if m is None or m.group("op").removesuffix("-start") not in _COLLECTIVES:
+                continue
+            report = gift_jax.parse_hlo(line, mesh=mesh)
+            if report.ops and set(report.ops[0].axes) & set(axes):
+                ops.append((i, m, report.total))
+        if ops and (best is None or len(ops) > len(best[1])):
+            best = (body, ops)
+    if best is None:
+        return Overlap(0, 0, (), 0.0)
+    body, ops = best
+    matmuls = [i for i, line in enumerate(body) if _is_matmul(line, comps)]
+    last = matmuls[-1] if matmuls else len(body)
+    between = []
+    for i, m, _ in ops:
+        if not m.group("op").endswith("-start"):
+            continue
+        name = m.group("name")
+        done = next((j for j in range(i + 1, len(body)) if "-done(" in body[j]
+                     and re.search(rf"-done\([^)]*{re.escape(name)}\b", body[j])), len(body))
+        between.append(sum(1 for x in body[i + 1:done] if _OP.match(x)
+                           and _OP.match(x).group("op") in _COMPUTE))
+    total = sum(b for _, _, b in ops) or 1.0
+    early = sum(b for i, _, b in ops if i < last)
+    return Overlap(len(ops), len(between), tuple(between), early / total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +158,13 @@ class PodCompile:
     fp32_local_bytes: float  # an fp32 ring all-reduce of this device's shard over 'data'
     fp32_replicated_bytes: float  # an fp32 ring all-reduce of the whole model over all devices
     compile_s: float
+    compiler: str = "XLA:CPU"  # "TPU" (libtpu) or "XLA:CPU" (simulated devices)
+    topology: str = ""  # e.g. "v5p-128", "2 x v5e-256"; "" on simulated devices
+    hbm_bytes: int = 0  # one chip's HBM (0: unknown, simulated devices)
+    dcn_bytes: float = 0.0  # per device and step, collectives whose groups span slices
+    ici_bytes: float = 0.0  # per device and step, collectives inside one slice
+    overlap: Overlap | None = None
+    expected_argument_bytes: int = 0  # (parameters + optimizer state) per device, ideal
 
     @property
     def total_bytes(self) -> int:
@@ -70,22 +172,53 @@ class PodCompile:
 
     def row(self) -> dict[str, Any]:
         gib = lambda b: round(b / 2**30, 3)
-        return {"mode": self.mode, "mesh": "x".join(map(str, self.mesh)),
-                "variant": "refresh" if self.refresh else "ordinary",
-                "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
-                "total_GiB": gib(self.total_bytes), "data_MiB": round(self.data_bytes / 2**20, 1),
-                "replica_MiB": round(self.model_bytes / 2**20, 1),
-                "vs_fp32_shard": round(self.data_bytes / self.fp32_local_bytes, 4),
-                "vs_replicated_dp": round(self.data_bytes / self.fp32_replicated_bytes, 4),
-                "compile_s": round(self.compile_s, 1)}
+        row = {"compiler": self.compiler, "topology": self.topology or "-", "mode": self.mode,
+               "mesh": "x".join(map(str, self.mesh)),
+               "variant": "refresh" if self.refresh else "ordinary",
+               "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
+               "total_GiB": gib(self.total_bytes)}
+        if self.hbm_bytes:
+            row["HBM_used"] = round(self.total_bytes / self.hbm_bytes, 3)
+        if self.expected_argument_bytes:
+            row["args_vs_ideal"] = round(self.argument_bytes / self.expected_argument_bytes, 3)
+        row.update({"data_MiB": round(self.data_bytes / 2**20, 1),
+                    "replica_MiB": round(self.model_bytes / 2**20, 1),
+                    "vs_fp32_shard": round(self.data_bytes / self.fp32_local_bytes, 4),
+                    "vs_replicated_dp": round(self.data_bytes / self.fp32_replicated_bytes, 4)})
+        if self.dcn_bytes or self.ici_bytes:
+            row["dcn_MiB"] = round(self.dcn_bytes / 2**20, 1)
+            row["ici_MiB"] = round(self.ici_bytes / 2**20, 1)
+        if self.overlap is not None:
+            o = self.overlap
+            row["async"] = f"{o.asynchronous}/{o.collectives}"
+            row["overlap_ops"] = (f"{min(o.compute_between)}-{max(o.compute_between)}"
+                                  if o.compute_between else "-")
+            row["before_last_matmul"] = round(o.bytes_before_last_matmul, 3)
+        row["compile_s"] = round(self.compile_s, 1)
+        return row
+
+
+def _state_bytes(step, mesh) -> int:
+    """(parameters + optimizer state) / (fsdp · tensor): the ideal per-device share of the
+    step's state when the model axes split all of it."""
+    params, opt_state, _ = step.abstract_args()
+    total = sum(math.prod(x.shape) * x.dtype.itemsize
+                for x in jax.tree.leaves((params, opt_state)))
+    return int(total / math.prod(mesh.shape[a] for a in model_axes(mesh)))
+
+
+def _spans_slices(op, mesh) -> bool:
+    flat = mesh.devices.flat
+    return len({getattr(flat[i], "slice_index", 0) for i in op.group}) > 1
 
 
 def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
                  devices: Sequence[jax.Device] | None = None, *,
-                 refresh: bool = False) -> list[PodCompile]:
+                 refresh: bool = False, topology=None) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
-    ``refresh``: the refresh variant as well (GIFT/PLUMAGE)."""
+    ``refresh``: the refresh variant as well (GIFT/PLUMAGE). ``topology``: the
+    :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile)."""
     devices = jax.devices() if devices is None else list(devices)
     codec, method = MODES[mode]
     data, fsdp, tensor = mesh_shape
@@ -101,6 +234,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     local = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(
         jax.tree.leaves(params), jax.tree.leaves(program.step.param_shardings), strict=True))
     n = len(devices)
+    tpu = devices[0].platform == "tpu"
     out = []
     for variant in program.step.variants():
         if variant and not refresh:
@@ -111,6 +245,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         memory = compiled.memory_analysis()
         report = program.step.wire_report(variant)
         inside = report.within(model_axes(mesh)).total
+        dcn = sum(op.wire_bytes for op in report.ops if _spans_slices(op, mesh))
         out.append(PodCompile(
             mode=mode, mesh=(data, fsdp, tensor), refresh=variant, params=n_params,
             argument_bytes=int(memory.argument_size_in_bytes),
@@ -119,7 +254,12 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             data_bytes=report.over(data_axes(mesh)).total, model_bytes=inside,
             fp32_local_bytes=2 * (replicas - 1) / replicas * local,
             fp32_replicated_bytes=2 * (n - 1) / n * 4 * n_params,
-            compile_s=seconds))
+            compile_s=seconds, compiler="TPU" if tpu else "XLA:CPU",
+            topology=topology.label if topology is not None else "",
+            hbm_bytes=topology.hbm_bytes if topology is not None else 0,
+            dcn_bytes=dcn, ici_bytes=report.total - dcn if dcn else 0.0,
+            overlap=schedule_overlap(compiled.as_text(), mesh, data_axes(mesh)) if tpu else None,
+            expected_argument_bytes=_state_bytes(program.step, mesh)))
     return out
 
 

@@ -18,11 +18,24 @@ Parameter layout (paths as ``/``-joined keys of ``nnx.state(model, nnx.Param)``)
 Every projection is an ``nnx.Linear`` without bias, so Flax kernels are (in × out): the
 *input* side of a layer, where GIFT's factor ``A = E[x xᵀ]`` acts, is the first kernel axis.
 
-The blocks live in an ``nnx.List`` (one Python object per block, unrolled under ``jit``) rather
-than a scanned, stacked block. This keeps one kernel per layer and per-layer paths such as
-``layers/17/mlp/down_proj/kernel``, which is what per-layer gradient transformations, layer
-selection by path pattern and input-statistics capture need; the price is compile time linear
-in depth, acceptable up to the 32 layers used here.
+Two layouts of the blocks (``scan_layers``):
+
+* ``False`` (the default): an ``nnx.List``, one Python object per block, unrolled under
+  ``jit``: one kernel per layer and per-layer paths such as ``layers/17/mlp/down_proj/kernel``;
+  compile time grows linearly with depth.
+* ``True``: one block whose parameters are stacked over a leading layer axis (built with
+  ``nnx.vmap``, applied with ``nnx.scan``, maxtext's layout): paths ``layers/mlp/down_proj/kernel``
+  of shape ``(L, d_ff, d_model)``, logical axes ``('layers', …)``. The compiler sees one
+  block, so a pod compile takes minutes whatever the depth. Layer patterns such as
+  ``*/mlp/down_proj`` select the stacked kernel; GIFT's statistics and factors and PLUMAGE's
+  projections are then per layer along the leading axis (their matrix views treat it as a
+  batch axis), and input statistics ride along in the scanned state
+  (:mod:`gift_jax.whitening.capture`).
+
+``remat`` recomputes each block in the backward pass with the policy ``remat_policy`` (a name
+of ``jax.checkpoint_policies``: ``nothing_saveable``, the default, keeps only the block's
+input; ``dots_with_no_batch_dims_saveable`` keeps the projections' outputs, maxtext's
+"minimal" trade).
 
 Precision: parameters are stored in ``param_dtype`` (fp32); matmuls run in ``dtype`` (fp32 or
 bf16). RMSNorm statistics, rotary angles, attention softmax and the loss are computed in fp32
@@ -51,6 +64,7 @@ __all__ = [
     "RMSNorm",
     "apply_rope",
     "LOGICAL_AXES",
+    "REMAT_POLICIES",
     "count_params",
     "logical_axes",
     "next_token_loss",
@@ -68,6 +82,9 @@ LOGICAL_AXES = "logical_axes"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ATTENTION_IMPLS = ("reference", "jax")
 _EMBED_LOOKUPS = ("gather", "one_hot")
+#: ``remat_policy`` values: the policies (not policy factories) of ``jax.checkpoint_policies``.
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "everything_saveable")
 
 
 def _dtype_name(value: Any, field: str) -> str:
@@ -104,6 +121,10 @@ class LlamaConfig:
         (``jax.nn.dot_product_attention``: cuDNN flash attention on GPU in bf16/fp16, XLA
         elsewhere).
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
+      remat_policy: which values a rematerialised block keeps, a name of
+        ``jax.checkpoint_policies`` (see the module docstring).
+      scan_layers: stack the blocks' parameters over a leading layer axis and apply them with
+        ``nnx.scan`` (see the module docstring).
       embed_lookup: 'gather' (a gather of the embedding rows) or 'one_hot' (a one-hot matmul
         at full precision, the same values: maxtext's iota embedding). The sharded trainer uses
         'one_hot': XLA's SPMD partitioner (jax 0.10–0.12) crashes on the gather's gradient
@@ -131,6 +152,8 @@ class LlamaConfig:
     init_std: float = 0.02
     attention_impl: str = "reference"
     remat: bool = False
+    remat_policy: str = "nothing_saveable"
+    scan_layers: bool = False
     embed_lookup: str = "gather"
     activation_axes: tuple[tuple[str, str], ...] = ()
 
@@ -169,7 +192,10 @@ class LlamaConfig:
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig.{field} must be a positive number, got {value!r}.")
             object.__setattr__(self, field, float(value))
-        for field in ("tie_embeddings", "remat"):
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"LlamaConfig.remat_policy must be one of {REMAT_POLICIES}, got "
+                             f"{self.remat_policy!r}.")
+        for field in ("tie_embeddings", "remat", "scan_layers"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(
                     f"LlamaConfig.{field} must be a bool, got {getattr(self, field)!r}."
@@ -391,7 +417,33 @@ def _block_forward(block: Block, x: jax.Array, angles: jax.Array) -> jax.Array:
     return block(x, angles)
 
 
-_block_forward_remat = nnx.remat(_block_forward)
+def _forward_fn(cfg: LlamaConfig):
+    """``(block, x, angles) → x`` for one block, rematerialised per ``cfg.remat``."""
+    if not cfg.remat:
+        return _block_forward
+    return nnx.remat(_block_forward, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
+
+
+def _stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
+    """``cfg.num_layers`` blocks as one block with parameters stacked on axis 0."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    return make(rngs)
+
+
+def _scan_blocks(blocks: Block, x: jax.Array, angles: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """``x`` through the stacked blocks in order (``nnx.scan`` over the layer axis)."""
+    forward = _forward_fn(cfg)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block: Block, h: jax.Array) -> jax.Array:
+        return forward(block, h, angles)
+
+    return body(blocks, x)
 
 
 class Llama(nnx.Module):
@@ -415,7 +467,10 @@ class Llama(nnx.Module):
             rngs=rngs,
             embedding_metadata={LOGICAL_AXES: ("vocab", "embed")},
         )
-        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        if config.scan_layers:
+            self.layers = _stacked_blocks(config, rngs)
+        else:
+            self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(
             config.d_model,
             eps=config.norm_eps,
@@ -446,7 +501,6 @@ class Llama(nnx.Module):
         if positions is None:
             positions = jnp.arange(tokens.shape[1])
         angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
-        forward = _block_forward_remat if cfg.remat else _block_forward
         if cfg.embed_lookup == "one_hot":
             table = self.embed.embedding[...]
             x = jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
@@ -454,8 +508,12 @@ class Llama(nnx.Module):
         else:
             x = self.embed(tokens)
         x = constrain(x, cfg, "batch", None, None)
-        for block in self.layers:
-            x = forward(block, x, angles)
+        if cfg.scan_layers:
+            x = _scan_blocks(self.layers, x, angles, cfg)
+        else:
+            forward = _forward_fn(cfg)
+            for block in self.layers:
+                x = forward(block, x, angles)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, cfg, "batch", None, "vocab")
@@ -537,5 +595,7 @@ def logical_axes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
     out = {}
     for path, variable in nnx.iter_graph(abstract):
         if isinstance(variable, nnx.Param):
-            out["/".join(str(k) for k in path)] = tuple(variable.get_metadata()[LOGICAL_AXES])
+            names = tuple(variable.get_metadata()[LOGICAL_AXES])
+            stacked = len(variable.get_value().shape) - len(names)  # scan_layers: layer axis
+            out["/".join(str(k) for k in path)] = ("layers",) * stacked + names
     return out

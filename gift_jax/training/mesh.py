@@ -15,10 +15,13 @@ Three layouts:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +40,7 @@ DEFAULT_RULES: dict[str, str] = {
     "kv_heads": TENSOR_AXIS,
     "mlp": TENSOR_AXIS,
     "norm": "",
+    "layers": "",  # the stacked layer axis of scanned blocks (model.scan_layers)
 }
 
 
@@ -116,19 +120,130 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
     return sizes
 
 
+class MeshLayoutError(ValueError):
+    """A ``(data, fsdp, tensor)`` shape that cannot be laid out on the devices' physical
+    topology; the message is one line naming the topology and the shapes that can."""
+
+
+def _granules(devices) -> list:
+    """The groups of devices joined by the slow network: TPU slices (``slice_index``) or, on
+    GPU, processes (nodes); one group on CPU and on a single slice."""
+    platform = devices[0].platform
+    if platform == "tpu":
+        key = lambda d: getattr(d, "slice_index", 0)
+    elif platform == "gpu":
+        key = lambda d: d.process_index
+    else:
+        return [devices]
+    groups: dict = {}
+    for d in devices:
+        groups.setdefault(key(d), []).append(d)
+    return [groups[k] for k in sorted(groups)]
+
+
+def describe_topology(devices) -> str:
+    """``'TPU v5 4x4x4 (64 chips)'``, ``'2 slices of TPU v5 lite 4x4x1 (32 chips)'``, or the
+    device count and kind where devices have no physical coordinates."""
+    devices = list(devices)
+    granules = _granules(devices)
+    first = granules[0]
+    coords = [getattr(d, "coords", None) for d in first]
+    kind = devices[0].device_kind
+    if None in coords:
+        grid = f"{len(first)} devices"
+    else:
+        grid = "x".join(str(max(c[i] for c in coords) + 1) for i in range(len(coords[0])))
+    unit = "slices" if devices[0].platform == "tpu" else "processes"
+    text = f"{kind} {grid}"
+    return f"{len(granules)} {unit} of {text}" if len(granules) > 1 else text
+
+
+def _grid(shape: tuple[int, ...], devices, granules: list) -> np.ndarray:
+    """Devices arranged as ``shape`` on the physical topology (raises what jax raises)."""
+    if len(granules) > 1:
+        g = len(granules)
+        if shape[0] % g:
+            raise ValueError(f"mesh.data={shape[0]} is not a multiple of the {g} slices")
+        ici = (shape[0] // g, *shape[1:])
+        dcn = (g,) + (1,) * (len(shape) - 1)
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=devices[0].platform != "tpu",
+            allow_split_physical_axes=True)
+    try:  # keep physical axes whole when the shape allows it (the faster rings)
+        return mesh_utils.create_device_mesh(shape, devices)
+    except (NotImplementedError, AssertionError, ValueError):
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+
+
+def layouts(devices, ndim: int = 3) -> list[tuple[int, ...]]:
+    """Every ``ndim``-axis shape (data outermost) that :func:`device_grid` can lay out on
+    ``devices``."""
+    devices = list(devices)
+    granules = _granules(devices)
+    n = len(devices)
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    shapes = [s for s in itertools.product(divisors, repeat=ndim) if math.prod(s) == n]
+    out = []
+    for shape in shapes:
+        try:
+            _grid(shape, devices, granules)
+        except (NotImplementedError, AssertionError, ValueError):
+            continue
+        out.append(shape)
+    return out
+
+
+def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
+    """The devices as an array of ``shape`` (first axis ``data``) that maps onto the chips.
+
+    * CPU devices (simulated or one per process): in the order given, as ``jax.make_mesh``.
+    * One TPU slice: ``mesh_utils.create_device_mesh``, which assigns each mesh axis to whole
+      physical axes of the torus; when the shape needs it (8×8×1 on a 4×4×4 v5p slice),
+      physical axes are split (``allow_split_physical_axes``).
+    * Several TPU slices (devices carry ``slice_index``), or GPUs in several processes when
+      ``data`` is a multiple of the process count: a hybrid mesh as maxtext's
+      (``create_hybrid_device_mesh``): ``data`` runs across the slices (nodes), over the
+      data-centre network, where the quantized reduction pays; ``data / slices`` replicas
+      and ``fsdp``/``tensor`` stay inside each slice (node), on the fast interconnect.
+      A GPU ``data`` axis smaller than the process count lets ``fsdp`` span nodes (device
+      order).
+
+    Raises :class:`MeshLayoutError` (one line: the topology and the shapes that fit) when the
+    shape cannot be laid out.
+    """
+    devices = list(devices)
+    shape = tuple(int(s) for s in shape)
+    if devices[0].platform not in ("tpu", "gpu"):
+        return np.asarray(devices, dtype=object).reshape(shape)
+    granules = _granules(devices)
+    if devices[0].platform == "gpu" and len(granules) > 1 and shape[0] % len(granules):
+        granules = [devices]
+    try:
+        return _grid(shape, devices, granules)
+    except (NotImplementedError, AssertionError, ValueError) as e:
+        fits = ", ".join("x".join(map(str, s)) for s in layouts(devices, len(shape)))
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise MeshLayoutError(
+            f"mesh {'x'.join(map(str, shape))} (data x fsdp x tensor) cannot be laid out on "
+            f"{describe_topology(devices)} ({reason}); shapes that fit: {fits}") from None
+
+
 def make_mesh(intra_size: int = 1, devices=None, *, fsdp: int = 1, tensor: int = 1) -> Mesh:
     """The mesh over ``devices`` (default: all devices of all processes), data axis outermost:
     ``('data',)``, ``('data', 'intra')`` or, with ``fsdp``/``tensor`` > 1,
-    ``('data', 'fsdp', 'tensor')`` (see the module docstring)."""
+    ``('data', 'fsdp', 'tensor')`` (see the module docstring), laid out on the physical
+    topology by :func:`device_grid`."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(len(devices), -1, fsdp, tensor, intra_size)
     n = sizes[DATA_AXIS]
-    if fsdp > 1 or tensor > 1:
-        return jax.make_mesh((n, fsdp, tensor), (DATA_AXIS, *MODEL_AXES), devices=devices,
-                             axis_types=(AxisType.Auto,) * 3)
-    if intra_size == 1:
-        return jax.make_mesh((n,), (DATA_AXIS,), devices=devices)
-    return jax.make_mesh((n // intra_size, intra_size), (DATA_AXIS, INTRA_AXIS), devices=devices)
+    if fsdp > 1 or tensor > 1:  # GSPMD partitions the model: Auto axes
+        shape, names, kind = (n, fsdp, tensor), (DATA_AXIS, *MODEL_AXES), AxisType.Auto
+    elif intra_size == 1:  # jax.make_mesh's default axis type
+        shape, names, kind = (n,), (DATA_AXIS,), AxisType.Explicit
+    else:
+        shape, names = (n // intra_size, intra_size), (DATA_AXIS, INTRA_AXIS)
+        kind = AxisType.Explicit
+    return Mesh(device_grid(shape, devices), names, axis_types=(kind,) * len(shape))
 
 
 def mesh_from_config(mesh_config, devices=None) -> Mesh:

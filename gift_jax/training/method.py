@@ -205,6 +205,7 @@ class GiftPlan(CommPlan):
         stage = gift(
             optim.allreduce_stage(config, axes, self.codec, self.shards),
             layers=self.gift_layers,
+            dimension_numbers=optim.gift_dimension_numbers(config),
             rank=g.rank,
             factor=GIFT_REMAINDERS[g.remainder],
             damping=g.damping,
@@ -263,6 +264,7 @@ class PlumagePlan(CommPlan):
             communicate = optax.chain(optim.projected_gift(config, stage, axes,
                                                            route_frame(config)),
                                       optim.record_grad_norm(), *optim.clip_stages(config))
+        dims = optim.lowrank_dimension_numbers(config)
         tx = plumage(
             schedule,
             rank=pl.rank,
@@ -276,7 +278,8 @@ class PlumagePlan(CommPlan):
             eps=opt.eps,
             scale=pl.scale,
             seed=config.train.seed,
-            mask=optim.plumage_mask(tuple(pl.layers), pl.rank),
+            mask=optim.plumage_mask(tuple(pl.layers), pl.rank, dims),
+            weight_dimension_numbers=dims,
             communicate=communicate,
             communicate_refresh=communicate_refresh,
             axis_name=axes if len(axes) > 1 else axes[0],

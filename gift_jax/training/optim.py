@@ -41,6 +41,7 @@ from optax.contrib import MuonDimensionNumbers
 import gift_jax
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
+from gift_jax.utils.matrices import MatrixDimensionNumbers
 from gift_jax.utils.tree_paths import flat_paths, leaf_path, matches, path_mask, require_matches
 
 log = logging.getLogger("gift_jax.training")
@@ -170,6 +171,8 @@ def dense_optimizer(config, schedule) -> optax.GradientTransformation:
         def dims(path, x):
             if x.ndim == 2 and not matches(leaf_path(path), DENSE_PATTERNS):
                 return MuonDimensionNumbers()
+            if x.ndim == 3 and config.model.scan_layers:  # (layers, in, out)
+                return MuonDimensionNumbers(*STACKED_AXES)
             return None
 
         return jax.tree_util.tree_map_with_path(dims, params)
@@ -190,6 +193,27 @@ def dense_optimizer(config, schedule) -> optax.GradientTransformation:
     )
 
 
+#: ``(reduction, output)`` axes of a stacked ``(layers, in, out)`` kernel (model.scan_layers).
+STACKED_AXES = (1, 2)
+
+
+def gift_dimension_numbers(config) -> dict | None:
+    """GIFT's ``dimension_numbers`` for ``gift.layers``: the stacked kernels' axes when the
+    model scans its layers, else ``None`` (2-D kernels need none)."""
+    if not config.model.scan_layers:
+        return None
+    return {p: MatrixDimensionNumbers(*STACKED_AXES) for p in config.gift.layers}
+
+
+def lowrank_dimension_numbers(config):
+    """PLUMAGE's ``weight_dimension_numbers``: the stacked kernels' axes when the model scans
+    its layers (leaves of 3 dimensions), else ``None`` (the 2-D default)."""
+    if not config.model.scan_layers:
+        return None
+    return lambda params: jax.tree.map(
+        lambda x: MatrixDimensionNumbers(*STACKED_AXES) if x.ndim == 3 else None, params)
+
+
 def projected_gift(config, stage, axes, route_frame: str = "off"
                    ) -> optax.GradientTransformation:
     """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
@@ -204,6 +228,7 @@ def projected_gift(config, stage, axes, route_frame: str = "off"
     return gift(
         stage,
         layers=tuple(g.layers),
+        dimension_numbers=gift_dimension_numbers(config),
         rank=g.rank,
         factor=GIFT_REMAINDERS[g.remainder],
         damping=g.damping,
@@ -216,12 +241,12 @@ def projected_gift(config, stage, axes, route_frame: str = "off"
     )
 
 
-def plumage_mask(layers: tuple[str, ...], rank: int):
+def plumage_mask(layers: tuple[str, ...], rank: int, dimension_numbers=None):
     """PLUMAGE's mask callable (``plumage.layers``). A pattern that selects no parameter is an
     :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError`; the first time it sees the
     params it warns when the mask and rank project no leaf (every selected matrix has its
     smaller side ``<= plumage.rank``): the run would silently be dense Adam with full-size
-    communication."""
+    communication. ``dimension_numbers``: PLUMAGE's ``weight_dimension_numbers``."""
     warned = []
 
     def mask(params):
@@ -229,18 +254,18 @@ def plumage_mask(layers: tuple[str, ...], rank: int):
         tree = path_mask(params, layers)
         if not warned:
             warned.append(True)
-            _warn_if_nothing_projected(params, tree, rank, layers)
+            _warn_if_nothing_projected(params, tree, rank, layers, dimension_numbers)
         return tree
 
     return mask
 
 
-def _warn_if_nothing_projected(params, mask_tree, rank: int, layers) -> None:
-    if jax.tree.leaves(resolve_layouts(params, rank, None, mask_tree)):  # LeafLayouts only
+def _warn_if_nothing_projected(params, mask_tree, rank: int, layers, dims) -> None:
+    if jax.tree.leaves(resolve_layouts(params, rank, dims, mask_tree)):  # LeafLayouts only
         return
-    sides = [(min(x.shape), leaf_path(p)) for (p, x), sel in zip(
+    sides = [(min(x.shape[-2:]), leaf_path(p)) for (p, x), sel in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(mask_tree), strict=True)
-        if sel and len(x.shape) == 2]
+        if sel and len(x.shape) >= 2]
     if not sides:
         detail = f"plumage.layers={layers} select no 2-D parameter"
     else:

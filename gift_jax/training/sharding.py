@@ -173,9 +173,11 @@ class ParamLayout:
 
     def local_shards(self, mesh: Mesh) -> LocalShards | None:
         """The all-reduce's :class:`~gift_jax.comm.stage.LocalShards` on ``mesh`` (``None``
-        without model axes of size > 1)."""
-        axes = model_axes(mesh)
-        return LocalShards(axes, self.specs) if axes else None
+        without model axes of size > 1). Manual over every model axis of the mesh, size 1
+        included: a Pallas kernel must see no axis left to GSPMD."""
+        if not model_axes(mesh):
+            return None
+        return LocalShards(tuple(a for a in MODEL_AXES if a in mesh.axis_names), self.specs)
 
 
 def activation_axes(mesh: Mesh, rules: Mapping[str, str] = DEFAULT_RULES

@@ -305,6 +305,11 @@ class TrainStep:
         self._wire: dict[bool, gift_jax.WireReport] = {}
         self.compile_count = 0
 
+    def abstract_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+        """The step's arguments ``(params, opt_state, batch)`` as abstract arrays carrying
+        their shardings (what the variants are compiled for)."""
+        return self._abstract
+
     def place(self, params: Params, opt_state: OptState) -> tuple[Params, OptState]:
         """``params`` and ``opt_state`` on exactly the shardings the compiled variants use."""
         return (jax.device_put(params, self.param_shardings),

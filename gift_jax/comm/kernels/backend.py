@@ -3,13 +3,19 @@
 Settings (``backend=`` of :func:`gift_jax.allreduce` and the collectives):
 
 * ``"xla"`` — the jnp reference (XLA fuses it well on every platform);
-* ``"pallas"`` — the kernel, compiled for the device at hand (interpreted on CPU); a kernel
+* ``"pallas"`` — the kernel, compiled for the target device (interpreted on CPU); a kernel
   that cannot be built there raises;
 * ``"auto"`` (default) — the kernel on GPU/TPU, the reference on CPU. Before a kernel is used
-  for a ``(kernel, codec, shapes, platform)`` combination it is built once on its own (lowered,
-  and compiled when the platform is the one this process runs on); if that fails, the XLA
-  path is used instead, with one warning naming the kernel, the codec and the reason. So
-  ``"auto"`` never crashes on a platform or codec a kernel does not support.
+  for a ``(kernel, codec, shapes, chip)`` combination it is built once on its own (compiled
+  when the target is this process's own platform, else lowered for the target chip); if that
+  fails, the XLA path is used instead, with one warning naming the kernel, the codec and the
+  reason. So ``"auto"`` never crashes on a platform or codec a kernel does not support.
+
+The target is the platform of the program being built, not of this host
+(:func:`target_device`): the devices of the mesh in context, which ``jax.shard_map`` (and
+``jax.set_mesh``) put there. A process on a CPU host compiling ahead of time for a TPU
+topology (``scripts/compile_pod.py``) therefore gets the Mosaic kernels; only code traced with
+no mesh in context falls back to the default backend.
 
 :func:`lowering_error` is the same check for any platform, from any host: it lowers through
 ``jax.export`` for ``cuda`` or ``tpu`` (the same Pallas lowering ``jax.jit`` runs on that device;
@@ -27,13 +33,14 @@ import jax
 
 from gift_jax.comm.codecs import Codec
 from gift_jax.comm.kernels.quantize import KERNELS
+from gift_jax.utils.tpu import one_chip_device
 
 BACKENDS = ("auto", "xla", "pallas")
 #: jax.export platform names of the kernel platforms.
 EXPORT_PLATFORMS = {"gpu": "cuda", "tpu": "tpu"}
 #: Devices assumed when lowering for a platform this host lacks (Triton on jax ≥ 0.12 and some
 #: Mosaic TPU lowerings ask which chip they target).
-DEFAULT_DEVICE_KIND = {"gpu": "NVIDIA H100", "tpu": "TPU v5p"}
+DEFAULT_DEVICE_KIND = {"gpu": "NVIDIA H100", "tpu": "TPU v5"}
 
 
 def resolve_backend(backend: str) -> str:
@@ -43,20 +50,50 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def kernel_platform(platform: str) -> str:
+    """The kernel platform of a jax platform name: ``"gpu"`` (cuda, rocm), ``"tpu"``, or
+    ``"interpret"`` (anything else)."""
+    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "interpret")
+
+
 def _host_platform() -> str:
-    p = jax.default_backend()
-    return p if p in ("gpu", "tpu") else "interpret"
+    return kernel_platform(jax.default_backend())
+
+
+def target_device() -> tuple[str, str | None]:
+    """``(kernel platform, device kind)`` of the program being traced: from the abstract
+    device of the mesh in context (set by ``jax.shard_map``/``jax.set_mesh`` from the
+    mesh's devices, e.g. compile-only TPU devices on a CPU host), else this process's default
+    backend (device kind ``None``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None):
+        return kernel_platform(device.platform), device.device_kind
+    return _host_platform(), None
+
+
+def _auto_axes() -> tuple[str, ...]:
+    """The axes (of size > 1) of the mesh in context that are not ``Manual``: there the
+    arrays may be split by GSPMD, which cannot partition a Pallas kernel."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = jax.sharding.AxisType.Manual
+    return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
+                                                  mesh.axis_types, strict=True)
+                 if size > 1 and kind != manual)
 
 
 def device_platform() -> str:
-    """The kernel platform of the default backend: ``"gpu"``, ``"tpu"``, or ``"interpret"``
-    (anything else)."""
-    return _host_platform()
+    """The kernel platform of the lowering target (:func:`target_device`): ``"gpu"``,
+    ``"tpu"`` or ``"interpret"``."""
+    return target_device()[0]
 
 
 def _abstract_device_context(platform: str, device_kind: str):
-    """Tell jax which chip to lower for when this host has none."""
-    if not hasattr(jax.sharding, "AbstractDevice"):
+    """Tell jax which chip to lower for when this host has none (unless the mesh in context
+    already does)."""
+    if not hasattr(jax.sharding, "AbstractDevice") or target_device()[1] is not None:
         return contextlib.nullcontext()
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1,
                                          platform=platform)
@@ -87,14 +124,29 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _compile_device(platform: str, device_kind: str | None):
+    """The device a kernel for ``(platform, device_kind)`` is compiled for, or ``None`` when
+    no compiler for it is at hand (then it can only be lowered)."""
+    here = jax.devices()[0]
+    if platform == _host_platform() and device_kind in (None, here.device_kind):
+        return here
+    if platform == "tpu":
+        return one_chip_device(device_kind or DEFAULT_DEVICE_KIND["tpu"])
+    return None
+
+
 @functools.cache
-def _build_error(kind: str, codec: Codec, avals: tuple, platform: str) -> str | None:
+def _build_error(kind: str, codec: Codec, avals: tuple, platform: str,
+                 device_kind: str | None = None) -> str | None:
     try:
-        if platform == _host_platform():
+        device = _compile_device(platform, device_kind)
+        if device is None:
+            export_kernel(kind, codec, avals, platform, device_kind=device_kind)
+        else:  # the real compile (Triton or Mosaic), for the target chip
             fn = functools.partial(KERNELS[kind][0], codec=codec, platform=platform)
-            jax.jit(fn).lower(*avals).compile()
-        else:
-            export_kernel(kind, codec, avals, platform)
+            on = jax.sharding.SingleDeviceSharding(device)
+            jax.jit(fn).lower(*(None if a is None else jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=on) for a in avals)).compile()
     except Exception as e:  # any failure to build means: use the XLA path
         return _reason(e)
     return None
@@ -104,10 +156,14 @@ def _aval(a):
     return None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
-def lowering_error(kind: str, codec: Codec, args, platform: str) -> str | None:
-    """``None`` if kernel ``kind`` builds for ``platform`` on arguments shaped like ``args``,
-    else the reason (cached per combination)."""
-    return _build_error(kind, codec, tuple(_aval(a) for a in args), platform)
+def lowering_error(kind: str, codec: Codec, args, platform: str,
+                   device_kind: str | None = None) -> str | None:
+    """``None`` if kernel ``kind`` builds for ``platform`` (the chip ``device_kind``, default
+    this host's or :data:`DEFAULT_DEVICE_KIND`) on arguments shaped like ``args``, else the
+    reason (cached per combination). Builds means compiles where a compiler for the chip is
+    at hand (this host's own platform; any TPU when libtpu is installed: Mosaic), else lowers
+    through ``jax.export``."""
+    return _build_error(kind, codec, tuple(_aval(a) for a in args), platform, device_kind)
 
 
 _warned: set = set()
@@ -116,12 +172,19 @@ _warned: set = set()
 def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = None) -> str:
     """``"pallas"`` or ``"xla"`` for one call of kernel ``kind`` (see the module docstring)."""
     resolve_backend(backend)
-    platform = platform or device_platform()
+    target, device_kind = target_device()
+    if platform is None:
+        platform = target
+    elif platform != target:
+        device_kind = None
     if backend == "xla" or (backend == "auto" and platform == "interpret"):
         return "xla"
     if backend == "pallas":
         return "pallas"
-    reason = lowering_error(kind, codec, args, platform)
+    auto_axes = _auto_axes()
+    reason = (f"the mesh axes {auto_axes} are not manual here (a kernel cannot be partitioned "
+              "by GSPMD: call it inside a shard_map over every axis)" if auto_axes
+              else lowering_error(kind, codec, args, platform, device_kind))
     if reason is None:
         return "pallas"
     key = (kind, codec, platform)

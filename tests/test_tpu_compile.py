@@ -1,0 +1,108 @@
+"""The real TPU compiler on this host (libtpu's compile-only devices, no TPU): meshes laid out
+on physical topologies (one slice, two slices), kernels chosen by the lowering target and
+compiled by Mosaic. Skipped, with one line, where libtpu is not installed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gift_jax as gj
+from gift_jax.comm import codecs as C
+from gift_jax.comm.kernels import backend as kb
+from gift_jax.comm.kernels import roofline as R
+from gift_jax.models import LlamaConfig, param_shapes
+from gift_jax.training.mesh import MeshLayoutError, make_mesh
+from gift_jax.utils import tpu
+
+if not tpu.libtpu_available():
+    pytest.skip(f"{tpu.INSTALL_HINT} (TPU compile tests skipped)", allow_module_level=True)
+
+V5P_64 = tpu.parse_topology("v5p-128")  # 64 chips, 4x4x4
+V5E_2X16 = tpu.parse_topology("v5e-16", slices=2)  # 2 slices of 4x4
+
+
+def test_topology_names():
+    assert (V5P_64.grid, V5P_64.chips, V5P_64.hbm_bytes) == ("4x4x4", 64, 95 * 2**30)
+    assert tpu.parse_topology("v5e-256").grid == "16x16"
+    assert tpu.parse_topology("v6e:8x8").label == "v6e-64"
+    assert V5E_2X16.label == "2 x v5e-16"
+    with pytest.raises(tpu.TopologyError, match=r"unknown topology 'v5p-100'; known: .*v5p-128"):
+        tpu.parse_topology("v5p-100")
+    with pytest.raises(tpu.TopologyError, match="--slices=0"):
+        tpu.parse_topology("v5e-16", slices=0)
+
+
+@pytest.mark.parametrize("shape", [(8, 8, 1), (4, 16, 1), (2, 8, 4)])
+def test_single_slice_mesh_maps_onto_the_torus(shape):
+    devices = tpu.topology_devices(V5P_64)
+    mesh = make_mesh(devices=devices, fsdp=shape[1], tensor=shape[2])
+    assert tuple(mesh.shape.values()) == shape
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    # each tensor group is physically adjacent: neighbours differ in one coordinate by 1
+    if shape[2] > 1:
+        coords = np.array([[d.coords for d in row] for row in mesh.devices[0, 0:1, :]])[0]
+        assert all(np.abs(np.diff(coords, axis=0)).sum(axis=1) <= 2)
+
+
+def test_multi_slice_mesh_puts_data_across_slices():
+    devices = tpu.topology_devices(V5E_2X16)
+    mesh = make_mesh(devices=devices, fsdp=4, tensor=2)  # data = 4: 2 per slice
+    assert tuple(mesh.shape.values()) == (4, 4, 2)
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    for replica in range(4):  # a replica's fsdp x tensor devices share one slice
+        assert len(set(slices[replica].flat)) == 1
+    assert set(slices[:, 0, 0]) == {0, 1}  # and data crosses the slices
+    with pytest.raises(MeshLayoutError, match=r"mesh 1x16x2 .* cannot be laid out on 2 slices "
+                       r"of TPU v5 lite 4x4x1 .*not a multiple of the 2 slices.*shapes that fit: "
+                       r"2x1x16, "):
+        make_mesh(devices=devices, fsdp=16, tensor=2)
+
+
+def _compiled_psum(mesh, codec, backend):
+    body = lambda g: gj.quantized_psum(g[0], "data", codec=codec, backend=backend)[None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              check_vma=False))
+    arg = jax.ShapeDtypeStruct((mesh.size, 8192), jnp.float32,
+                               sharding=NamedSharding(mesh, P("data")))
+    return f.lower(arg).compile().as_text()
+
+
+@pytest.mark.parametrize("backend", ["pallas", "auto"])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "mxfp8", "bf16"])
+def test_kernels_follow_the_mesh_not_the_host(backend, codec):
+    """From this CPU host, the all-reduce compiled for a v5p mesh carries the Mosaic kernels
+    (quantize, dequantize-accumulate twice each); "xla" carries none."""
+    assert jax.default_backend() == "cpu"
+    mesh = make_mesh(devices=tpu.topology_devices(tpu.parse_topology("v5p-16")))
+    assert _compiled_psum(mesh, codec, backend).count("tpu_custom_call") == 4
+    assert "tpu_custom_call" not in _compiled_psum(mesh, codec, "xla")
+
+
+def test_auto_falls_back_where_mosaic_refuses(monkeypatch):
+    """NVFP4's quantize kernel packs 4-bit pairs into i8 vectors, which Mosaic does not
+    compile: "auto" warns once and uses XLA there; "pallas" raises."""
+    monkeypatch.setattr(kb, "_warned", set())
+    mesh = make_mesh(devices=tpu.topology_devices(tpu.parse_topology("v5p-16")))
+    with pytest.warns(RuntimeWarning, match=r"'quantize' does not build for codec 'nvfp4'.*"
+                      r"on tpu.*Mosaic"):
+        text = _compiled_psum(mesh, "nvfp4", "auto")
+    assert "tpu_custom_call" in text  # the dequantize-accumulate kernels remain
+    with pytest.raises(Exception, match="Mosaic"):
+        _compiled_psum(mesh, "nvfp4", "pallas")
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5", "TPU v6 lite"])
+@pytest.mark.parametrize("name,block", [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
+                                        ("fp8_e4m3", 128), ("mxfp8", None)])
+def test_every_kernel_compiles_for_v5p_and_v6e(device_kind, name, block):
+    """Every kernel of every codec but NVFP4, on the shapes the all-reduce makes for the
+    tiny model on 8 replicas, compiled (not only lowered) by Mosaic for the chip."""
+    codec = C.get_codec(name, block)
+    shapes = [tuple(s.shape) for s in jax.tree.leaves(param_shapes(LlamaConfig()))]
+    calls = R.collective_calls(shapes, codec, 8)
+    assert {k for k, _ in calls} == {"quantize", "dequantize_accumulate"}
+    for kind, args in calls:
+        assert kb.lowering_error(kind, codec, args, "tpu", device_kind) is None, (kind, args)
