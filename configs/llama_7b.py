@@ -22,10 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.model.d_model = 4096  # residual width
     config.model.num_layers = 32  # blocks
+    # bf16 matmuls, scanned and rematerialised blocks: llama_1b.py's pod-realistic compute
     config.model.num_heads = 32  # head_dim 128
     config.model.d_ff = 11008  # SwiGLU hidden width
     config.model.max_seq_len = 2048  # GaLore's 7B sequence length
-    config.model.remat = True  # recompute each block's activations in the backward pass
 
     config.train.seq_len = 2048  # tokens per sequence
     # 512 x 2048 tokens per step: 8 microbatches (one reduction per step), so a device of an

@@ -106,3 +106,24 @@ def test_every_kernel_compiles_for_v5p_and_v6e(device_kind, name, block):
     assert {k for k, _ in calls} == {"quantize", "dequantize_accumulate"}
     for kind, args in calls:
         assert kb.lowering_error(kind, codec, args, "tpu", device_kind) is None, (kind, args)
+
+
+def test_trainer_step_compiles_for_two_slices():
+    """The trainer's own step (tiny model, fp8) compiled by the TPU compiler for 2 slices of
+    v5e 4x4: the data reduction crosses slices as MegaScale sends, the rest stays inside."""
+    import pathlib
+    import runpy
+
+    from gift_jax.apps.pod import compile_mode
+
+    config = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "configs" / "tiny.py"))
+    config = config["get_config"]()
+    config.train.global_batch_size = 32
+    [row] = compile_mode(config, "fp8", (4, 8, 1),
+                         tpu.topology_devices(V5E_2X16), topology=V5E_2X16)
+    assert row.compiler == "TPU" and row.topology == "2 x v5e-16"
+    assert row.hbm_bytes == 16 * 2**30 and 0 < row.total_bytes < row.hbm_bytes
+    assert row.dcn_bytes > 0 and row.ici_bytes >= row.data_bytes > 0
+    assert row.dcn_bytes < row.fp32_local_bytes  # the uint8 wire crosses slices, not fp32
+    assert row.overlap is not None and row.overlap.collectives > 0
+    assert row.row()["compiler"] == "TPU"
