@@ -29,7 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
     model.dtype = "float32"  # compute dtype: "float32" | "bfloat16" | "float16"
     model.param_dtype = "float32"  # parameter storage dtype
     model.init_std = 0.02  # std of the normal init of kernels and embedding
-    model.attention_impl = "reference"  # "reference" (einsum, fp32 softmax) | "jax" (cuDNN/XLA)
+    # "reference" (einsum, fp32 softmax) | "jax" (cuDNN/XLA) | "flash" (Pallas TPU, cuDNN GPU)
+    model.attention_impl = "reference"
     model.remat = False  # recompute block activations in the backward pass
     # what a rematerialised block keeps: "nothing_saveable" | "dots_saveable" |
     # "dots_with_no_batch_dims_saveable" | "everything_saveable" (jax.checkpoint_policies)

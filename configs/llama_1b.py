@@ -20,11 +20,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.d_model = 2048  # residual width
     config.model.num_layers = 24  # blocks
     # pod-realistic compute: bf16 matmuls (fp32 master weights and Adam moments), blocks
-    # stacked and scanned (compile time flat in depth), each block recomputed in the backward
+    # stacked and scanned (compile time flat in depth), each block recomputed in the backward,
+    # flash attention where the target has it
     config.model.dtype = "bfloat16"
     config.model.scan_layers = True
     config.model.remat = True
     config.model.remat_policy = "nothing_saveable"
+    config.model.attention_impl = "flash"  # Pallas TPU kernel / cuDNN; the reference on CPU
     config.model.num_heads = 32  # head_dim 64
     config.model.d_ff = 5461  # SwiGLU hidden width
 

@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     config.model.d_model = 4096  # residual width
     config.model.num_layers = 32  # blocks
-    # bf16 matmuls, scanned and rematerialised blocks: llama_1b.py's pod-realistic compute
+    # bf16 matmuls, scanned and rematerialised blocks, flash attention: llama_1b.py's compute
     config.model.num_heads = 32  # head_dim 128
     config.model.d_ff = 11008  # SwiGLU hidden width
     config.model.max_seq_len = 2048  # GaLore's 7B sequence length

@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gift_jax.utils.platform import non_manual_axes, target_device
+
 __all__ = [
     "Attention",
     "Block",
@@ -80,7 +82,7 @@ __all__ = [
 LOGICAL_AXES = "logical_axes"
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_ATTENTION_IMPLS = ("reference", "jax")
+_ATTENTION_IMPLS = ("reference", "jax", "flash")
 _EMBED_LOOKUPS = ("gather", "one_hot")
 #: ``remat_policy`` values: the policies (not policy factories) of ``jax.checkpoint_policies``.
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
@@ -117,9 +119,11 @@ class LlamaConfig:
       dtype: compute dtype of the matmuls: 'float32', 'bfloat16' or 'float16'.
       param_dtype: storage dtype of the parameters (normally 'float32').
       init_std: standard deviation of the normal initialiser of every kernel and the embedding.
-      attention_impl: 'reference' (explicit einsums, fp32 softmax, O(T²) memory) or 'jax'
+      attention_impl: 'reference' (explicit einsums, fp32 softmax, O(T²) memory), 'jax'
         (``jax.nn.dot_product_attention``: cuDNN flash attention on GPU in bf16/fp16, XLA
-        elsewhere).
+        elsewhere) or 'flash' (chosen by the lowering target: jax's Pallas TPU flash
+        attention kernel on TPU, cuDNN on GPU, the reference elsewhere; see
+        :func:`causal_attention_flash`).
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
       remat_policy: which values a rematerialised block keeps, a name of
         ``jax.checkpoint_policies`` (see the module docstring).
@@ -302,6 +306,54 @@ def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax
     return out.reshape(b, t, h, d)
 
 
+def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                         cfg: LlamaConfig) -> jax.Array:
+    """jax's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``, causal, fp32
+    online softmax) on ``(B, T, H, D)`` arrays; grouped key/value heads are repeated to the
+    query heads. A Mosaic kernel cannot be partitioned by GSPMD, so where mesh axes are not
+    manual (the sharded trainer's ``fsdp``/``tensor``) it runs in a ``shard_map`` over them,
+    rows split as ``activation_axes['batch']`` and heads as ``activation_axes['heads']``."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    b, t, h, d = q.shape
+    groups = h // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    blk = min(128, t)
+    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
+                          block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk,
+                          block_q_dkv=blk, block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)
+    kernel = lambda q_, k_, v_: fa.flash_attention(q_, k_, v_, causal=True,
+                                                   sm_scale=1.0 / math.sqrt(d),
+                                                   block_sizes=sizes)
+    axes = non_manual_axes(min_size=1)
+    if axes:
+        rules = dict(cfg.activation_axes)
+        split = lambda name: rules.get(name) if rules.get(name) in axes else None
+        spec = jax.sharding.PartitionSpec(split("batch"), split("heads"), None, None)
+        kernel = jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(),
+                               in_specs=(spec,) * 3, out_specs=spec, axis_names=set(axes),
+                               check_vma=False)
+    to_bhtd = lambda x: x.transpose(0, 2, 1, 3)
+    return to_bhtd(kernel(to_bhtd(q), to_bhtd(k), to_bhtd(v)))
+
+
+def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array,
+                           cfg: LlamaConfig) -> jax.Array:
+    """Flash attention where it lowers, chosen by the lowering target
+    (:func:`gift_jax.utils.platform.target_device`, not this host): the Pallas TPU kernel on
+    TPU, ``jax.nn.dot_product_attention`` with cuDNN on GPU (bf16/fp16; XLA for fp32), the
+    reference elsewhere. Shapes as :func:`_causal_attention_reference`."""
+    platform, _ = target_device()
+    if platform == "tpu":
+        return _tpu_flash_attention(q, k, v, cfg)
+    if platform == "gpu":
+        cudnn = q.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation="cudnn" if cudnn else None)
+    return _causal_attention_reference(q, k, v)
+
+
 def constrain(x: jax.Array, cfg: LlamaConfig, *names: str | None) -> jax.Array:
     """``x`` with its sharding constrained per ``cfg.activation_axes`` (one logical name or
     ``None`` per dimension); the identity when the config sets none."""
@@ -378,6 +430,8 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         if self.impl == "jax":
             o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        elif self.impl == "flash":
+            o = causal_attention_flash(q, k, v, self.cfg)
         else:
             o = _causal_attention_reference(q, k, v)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))

@@ -33,6 +33,7 @@ import jax
 
 from gift_jax.comm.codecs import Codec
 from gift_jax.comm.kernels.quantize import KERNELS
+from gift_jax.utils.platform import host_platform, non_manual_axes, target_device
 from gift_jax.utils.tpu import one_chip_device
 
 BACKENDS = ("auto", "xla", "pallas")
@@ -48,40 +49,6 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed values: {BACKENDS}")
     return backend
-
-
-def kernel_platform(platform: str) -> str:
-    """The kernel platform of a jax platform name: ``"gpu"`` (cuda, rocm), ``"tpu"``, or
-    ``"interpret"`` (anything else)."""
-    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "interpret")
-
-
-def _host_platform() -> str:
-    return kernel_platform(jax.default_backend())
-
-
-def target_device() -> tuple[str, str | None]:
-    """``(kernel platform, device kind)`` of the program being traced: from the abstract
-    device of the mesh in context (set by ``jax.shard_map``/``jax.set_mesh`` from the
-    mesh's devices, e.g. compile-only TPU devices on a CPU host), else this process's default
-    backend (device kind ``None``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None)
-    if device is not None and getattr(device, "platform", None):
-        return kernel_platform(device.platform), device.device_kind
-    return _host_platform(), None
-
-
-def _auto_axes() -> tuple[str, ...]:
-    """The axes (of size > 1) of the mesh in context that are not ``Manual``: there the
-    arrays may be split by GSPMD, which cannot partition a Pallas kernel."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    manual = jax.sharding.AxisType.Manual
-    return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
-                                                  mesh.axis_types, strict=True)
-                 if size > 1 and kind != manual)
 
 
 def device_platform() -> str:
@@ -128,7 +95,7 @@ def _compile_device(platform: str, device_kind: str | None):
     """The device a kernel for ``(platform, device_kind)`` is compiled for, or ``None`` when
     no compiler for it is at hand (then it can only be lowered)."""
     here = jax.devices()[0]
-    if platform == _host_platform() and device_kind in (None, here.device_kind):
+    if platform == host_platform() and device_kind in (None, here.device_kind):
         return here
     if platform == "tpu":
         return one_chip_device(device_kind or DEFAULT_DEVICE_KIND["tpu"])
@@ -181,7 +148,7 @@ def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = N
         return "xla"
     if backend == "pallas":
         return "pallas"
-    auto_axes = _auto_axes()
+    auto_axes = non_manual_axes()
     reason = (f"the mesh axes {auto_axes} are not manual here (a kernel cannot be partitioned "
               "by GSPMD: call it inside a shard_map over every axis)" if auto_axes
               else lowering_error(kind, codec, args, platform, device_kind))
