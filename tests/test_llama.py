@@ -276,7 +276,7 @@ def test_from_mapping_rejects_unknown_fields():
         ({"dtype": "int8"}, "dtype"),
         ({"param_dtype": "float64x"}, "param_dtype"),
         ({"norm_eps": 0.0}, "norm_eps"),
-        ({"attention_impl": "flash"}, "attention_impl"),
+        ({"attention_impl": "splash"}, "attention_impl"),
         ({"tie_embeddings": 1}, "tie_embeddings"),
     ],
 )

@@ -20,12 +20,12 @@ From the compiled executable:
   local shard and against an fp32 all-reduce of the whole model (replicated data parallelism);
   and the bytes of GSPMD's collectives inside a replica (``fsdp``/``tensor``: gathered
   weights, reduced activations and gradients, and what GIFT/PLUMAGE add there);
-* on a multi-slice job, the bytes of collectives whose groups span slices (over the
-  data-centre network, DCN) and of those inside one slice (ICI);
+* on a multi-slice job, the bytes sent across slices over the data-centre network (DCN,
+  :func:`dcn_bytes`) and those of the collectives inside a slice (ICI);
 * from the scheduled HLO (:func:`schedule_overlap`), whether the collectives across ``data``
-  are asynchronous (``*-start``/``*-done`` pairs) and how many compute ops the scheduler put
-  between each start and its done, and the share of cross-data bytes issued before the last
-  matmul of the step (the end of the backward pass).
+  are asynchronous (``*-start``/``*-done`` pairs), how many compute ops the scheduler put
+  between each start and its done, and how many of the step's matmul-bearing ops come after
+  the reduction starts.
 
 What a CPU compile does and does not tell: the partitioning (which arrays are split, which
 collectives GSPMD inserts, the quantized reduction's bytes) is decided before the backend and
@@ -69,7 +69,8 @@ class Overlap:
     collectives: int  # collectives across data in the scheduled HLO
     asynchronous: int  # of them, split into a *-start/*-done pair
     compute_between: tuple[int, ...]  # compute ops between each async start and its done
-    bytes_before_last_matmul: float  # share of cross-data bytes issued before the last matmul
+    matmuls: int  # matmul-bearing ops (dots, their fusions, loops over them) in that schedule
+    matmuls_after: int  # of them, scheduled after the first collective across data starts
 
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*.+?\s+(?P<op>[\w\-]+)\(")
@@ -92,25 +93,28 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
     return out
 
 
-def _is_matmul(line: str, computations: dict[str, list[str]]) -> bool:
-    """A convolution/dot, or a fusion whose computation holds one."""
+def _is_matmul(line: str, computations: dict[str, list[str]], depth: int = 3) -> bool:
+    """A convolution/dot, or a fusion, call or loop (a scan over layers) whose computation
+    holds one."""
     m = _OP.match(line)
     if m is None:
         return False
     if m.group("op") in ("convolution", "dot"):
         return True
-    called = re.search(r"calls=(%?[\w.\-]+)", line)
-    if m.group("op") == "fusion" and called:
-        return any(_OP.match(x) and _OP.match(x).group("op") in ("convolution", "dot")
-                   for x in computations.get(called.group(1), ()))
-    return False
+    if depth == 0 or m.group("op") not in ("fusion", "call", "while", "conditional"):
+        return False
+    called = re.findall(r"(?:calls|body|to_apply|branch_computations)=\{?(%?[\w.\-]+)", line)
+    return any(_is_matmul(x, computations, depth - 1)
+               for name in called for x in computations.get(name, ()))
 
 
 def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
     """Reads the scheduled HLO (``compiled.as_text()``) of the computation holding the most
     collectives across ``axes``: how many of them are asynchronous, the compute ops
-    (fusions, matmuls, kernels) between each ``*-start`` and its ``*-done``, and the share of
-    their bytes whose start comes before the computation's last matmul."""
+    (fusions, matmuls, kernels) between each ``*-start`` and its ``*-done``, and how many of
+    its matmul-bearing ops (the backward pass's, and any after the reduction) are scheduled
+    after the first of those collectives starts: a reduction overlapped with the backward
+    pass would leave most of them after it."""
     comps = _computations(hlo_text)
     best = None
     for body in comps.values():
@@ -125,10 +129,9 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
         if ops and (best is None or len(ops) > len(best[1])):
             best = (body, ops)
     if best is None:
-        return Overlap(0, 0, (), 0.0)
+        return Overlap(0, 0, (), 0, 0)
     body, ops = best
     matmuls = [i for i, line in enumerate(body) if _is_matmul(line, comps)]
-    last = matmuls[-1] if matmuls else len(body)
     between = []
     for i, m, _ in ops:
         if not m.group("op").endswith("-start"):
@@ -138,9 +141,9 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
                      and re.search(rf"-done\([^)]*{re.escape(name)}\b", body[j])), len(body))
         between.append(sum(1 for x in body[i + 1:done] if _OP.match(x)
                            and _OP.match(x).group("op") in _COMPUTE))
-    total = sum(b for _, _, b in ops) or 1.0
-    early = sum(b for i, _, b in ops if i < last)
-    return Overlap(len(ops), len(between), tuple(between), early / total)
+    first = ops[0][0]
+    return Overlap(len(ops), len(between), tuple(between), len(matmuls),
+                   sum(1 for i in matmuls if i > first))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +197,7 @@ class PodCompile:
             row["async"] = f"{o.asynchronous}/{o.collectives}"
             row["overlap_ops"] = (f"{min(o.compute_between)}-{max(o.compute_between)}"
                                   if o.compute_between else "-")
-            row["before_last_matmul"] = round(o.bytes_before_last_matmul, 3)
+            row["matmuls_after_reduction"] = f"{o.matmuls_after}/{o.matmuls}"
         row["compile_s"] = round(self.compile_s, 1)
         return row
 

@@ -11,6 +11,9 @@ Three layouts:
   quantized collective; ``'fsdp'`` splits parameters, gradients, optimizer state and the batch
   within a replica; ``'tensor'`` splits heads and the MLP hidden dimension. The model axes are
   ``Auto`` (GSPMD partitions the model's compute); see :mod:`.sharding`.
+
+Every layout is placed on the physical chips by :func:`device_grid` (torus axes on one TPU
+slice, ``data`` across slices or GPU nodes); simulated CPU devices keep their order.
 """
 
 from __future__ import annotations

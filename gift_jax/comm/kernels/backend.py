@@ -6,10 +6,12 @@ Settings (``backend=`` of :func:`gift_jax.allreduce` and the collectives):
 * ``"pallas"`` — the kernel, compiled for the target device (interpreted on CPU); a kernel
   that cannot be built there raises;
 * ``"auto"`` (default) — the kernel on GPU/TPU, the reference on CPU. Before a kernel is used
-  for a ``(kernel, codec, shapes, chip)`` combination it is built once on its own (compiled
-  when the target is this process's own platform, else lowered for the target chip); if that
-  fails, the XLA path is used instead, with one warning naming the kernel, the codec and the
-  reason. So ``"auto"`` never crashes on a platform or codec a kernel does not support.
+  for a ``(kernel, codec, shapes, chip)`` combination it is built once on its own: compiled
+  for the target chip where a compiler for it is at hand (this process's own devices; any TPU
+  generation through libtpu's compile-only devices), else lowered for it. Where that fails, or
+  where a mesh axis in context is not manual (GSPMD cannot partition a kernel), the XLA path
+  is used instead, with one warning naming the kernel, the codec and the reason. So
+  ``"auto"`` never crashes on a platform or codec a kernel does not support.
 
 The target is the platform of the program being built, not of this host
 (:func:`target_device`): the devices of the mesh in context, which ``jax.shard_map`` (and
@@ -148,7 +150,7 @@ def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = N
         return "xla"
     if backend == "pallas":
         return "pallas"
-    auto_axes = non_manual_axes()
+    auto_axes = non_manual_axes(min_size=1)
     reason = (f"the mesh axes {auto_axes} are not manual here (a kernel cannot be partitioned "
               "by GSPMD: call it inside a shard_map over every axis)" if auto_axes
               else lowering_error(kind, codec, args, platform, device_kind))
