@@ -14,13 +14,16 @@ partitioning is the same, temporaries and schedule are XLA:CPU's)::
     python scripts/compile_pod.py --config llama_1b --devices 64 --mesh 8,8,1 --mesh 8,4,2
     python scripts/compile_pod.py --config tiny --devices 16 --mesh 2,4,2 --set model.num_layers=2
 
-The output says which compiler ran. See :mod:`gift_jax.apps.pod`.
+The output says which compiler ran. With ``--topology`` each (mesh, mode) compiles in a child
+process (the compiler's host memory is returned after each; a libtpu abort fails one row, not
+the table; exit status 3 when any did not compile). See :mod:`gift_jax.apps.pod`.
 """
 
 import argparse
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
 
@@ -43,7 +46,40 @@ def parse_args(argv=None):
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="config override, e.g. mesh.rules.mlp= or model.num_layers=2")
     parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
+    parser.add_argument("--in_process", action="store_true",
+                        help="with --topology: compile every (mesh, mode) in this process "
+                             "instead of one child process each")
     return parser.parse_args(argv)
+
+
+def _child_rows(argv, mesh: str, mode: str) -> tuple[list[dict], str | None]:
+    """Compiles one (mesh, mode) in a child process: its rows, or why it failed (one line).
+    A child keeps the compiler's memory per configuration (a 7B compile peaks near 15 GB of
+    host memory) and survives libtpu aborting on a CHECK."""
+    args = [a for a in argv if a not in ("--in_process",)]
+    drop = {"--mesh", "--modes", "--out"}
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in drop:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in drop:
+            continue
+        kept.append(a)
+    cmd = [sys.executable, __file__, *kept, "--mesh", mesh, "--modes", mode, "--in_process"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0:
+        return rows, None
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")
+             or "Check failed" in x or "Error" in x or "Killed" in x]
+    reason = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+    if proc.returncode < 0:
+        reason = f"killed by signal {-proc.returncode} ({reason})"
+    return rows, reason[:300]
 
 
 def main(argv=None) -> int:
@@ -92,17 +128,28 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--slices={args.slices} does not divide mesh.data={mesh[0]} "
                                   f"(--mesh {','.join(map(str, mesh))}): data runs across the "
                                   "slices")
-        rows = []
+        rows, failed = [], []
         for mesh in meshes:
             for mode in modes:
-                for row in compile_mode(config, mode, mesh, pod, refresh=args.refresh,
-                                        topology=topology):
+                if topology is not None and not args.in_process:
+                    got, reason = _child_rows(sys.argv[1:] if argv is None else list(argv),
+                                              ",".join(map(str, mesh)), mode)
+                    if reason:
+                        failed.append(f"{mode} on {'x'.join(map(str, mesh))}: {reason}")
+                        print(f"error: {failed[-1]}", file=sys.stderr, flush=True)
+                else:
+                    got = [r.row() for r in compile_mode(config, mode, mesh, pod,
+                                                         refresh=args.refresh,
+                                                         topology=topology)]
+                for row in got:
                     rows.append(row)
-                    print(json.dumps(row.row()), flush=True)
+                    print(json.dumps(row), flush=True)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
+    if failed:
+        table += "\n\nDid not compile:\n" + "\n".join(f"- {f}" for f in failed)
     print(table)
     if args.out:
         out = pathlib.Path(args.out)
@@ -110,9 +157,9 @@ def main(argv=None) -> int:
         name = pathlib.Path(args.config).stem
         if topology is not None:
             name += "_" + topology.label.replace(" ", "")
-        (out / f"{name}.json").write_text(json.dumps([r.row() for r in rows], indent=1))
+        (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
         (out / f"{name}.md").write_text(table + "\n")
-    return 0
+    return 3 if failed else 0
 
 
 if __name__ == "__main__":

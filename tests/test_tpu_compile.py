@@ -151,3 +151,28 @@ def test_scanned_flash_step_compiles_with_the_flash_kernel():
                for line in text.splitlines() if "tpu_custom_call" in line}
     assert any("flash" in line and "tpu_custom_call" in line for line in text.splitlines())
     assert len(kernels) >= 3  # the forward, dq and dkv kernels at least
+
+
+def test_compile_pod_script_topology(tmp_path):
+    """scripts/compile_pod.py --topology: one row per (mesh, mode), each compiled in a child
+    process by the TPU compiler; bad topologies and slice counts get one line, no traceback."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "compile_pod.py"
+    run = lambda *a: subprocess.run([sys.executable, str(script), "--config", "tiny", *a],
+                                    capture_output=True, text=True)
+    proc = run("--topology", "v5p-16", "--mesh", "8,1,1", "--modes", "fp8", "--out",
+               str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads((tmp_path / "tiny_v5p-16.json").read_text())
+    assert (row["compiler"], row["topology"], row["mesh"]) == ("TPU", "v5p-16", "8x1x1")
+    assert "compiler: TPU (libtpu), v5p-16: 8 chips of TPU v5" in proc.stdout
+    for args, message in [(("--topology", "v5x-16"), "unknown topology 'v5x-16'; known: "),
+                          (("--topology", "v5e-16", "--slices", "2", "--mesh", "3,4,1"),
+                           "--slices=2 does not divide mesh.data=3")]:
+        proc = run(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), proc.stderr

@@ -279,11 +279,12 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     return out
 
 
-def markdown_table(rows: Sequence[PodCompile]) -> str:
-    """The compiled steps as a markdown table."""
+def markdown_table(rows: Sequence[PodCompile | dict[str, Any]]) -> str:
+    """The compiled steps (or their :meth:`PodCompile.row` dicts) as a markdown table."""
+    rows = [r.row() if isinstance(r, PodCompile) else r for r in rows]
     if not rows:
         return ""
-    keys = list(rows[0].row())
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r.row()[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "-")) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
