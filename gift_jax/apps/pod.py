@@ -125,7 +125,7 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
                 continue
             report = gift_jax.parse_hlo(line, mesh=mesh)
             if report.ops and set(report.ops[0].axes) & set(axes):
-                ops.append((i, m, report.total))
+                ops.append((i, m))
         if ops and (best is None or len(ops) > len(best[1])):
             best = (body, ops)
     if best is None:
@@ -133,7 +133,7 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
     body, ops = best
     matmuls = [i for i, line in enumerate(body) if _is_matmul(line, comps)]
     between = []
-    for i, m, _ in ops:
+    for i, m in ops:
         if not m.group("op").endswith("-start"):
             continue
         name = m.group("name")
@@ -157,7 +157,7 @@ class PodCompile:
     argument_bytes: int  # per device
     temp_bytes: int  # per device
     output_bytes: int  # per device, not aliased to donated arguments
-    data_bytes: float  # per device and step, collectives spanning 'data'
+    data_bytes: float  # per device and step, collectives spanning 'data' (inside slices)
     model_bytes: float  # per device and step, collectives inside a replica (fsdp/tensor)
     fp32_local_bytes: float  # an fp32 ring all-reduce of this device's shard over 'data'
     fp32_replicated_bytes: float  # an fp32 ring all-reduce of the whole model over all devices
@@ -185,10 +185,11 @@ class PodCompile:
             row["HBM_used"] = round(self.total_bytes / self.hbm_bytes, 3)
         if self.expected_argument_bytes:
             row["args_vs_ideal"] = round(self.argument_bytes / self.expected_argument_bytes, 3)
-        row.update({"data_MiB": round(self.data_bytes / 2**20, 1),
+        across = self.data_bytes + self.dcn_bytes  # in-slice parts + what leaves the slice
+        row.update({"data_MiB": round(across / 2**20, 1),
                     "replica_MiB": round(self.model_bytes / 2**20, 1),
-                    "vs_fp32_shard": round(self.data_bytes / self.fp32_local_bytes, 4),
-                    "vs_replicated_dp": round(self.data_bytes / self.fp32_replicated_bytes, 4)})
+                    "vs_fp32_shard": round(across / self.fp32_local_bytes, 4),
+                    "vs_replicated_dp": round(across / self.fp32_replicated_bytes, 4)})
         if self.dcn_bytes or self.ici_bytes:
             row["dcn_MiB"] = round(self.dcn_bytes / 2**20, 1)
             row["ici_MiB"] = round(self.ici_bytes / 2**20, 1)

@@ -315,7 +315,7 @@ def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     rows split as ``activation_axes['batch']`` and heads as ``activation_axes['heads']``."""
     from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-    b, t, h, d = q.shape
+    _, t, h, d = q.shape
     groups = h // k.shape[2]
     if groups > 1:
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
