@@ -38,7 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--devices", type=int, default=None,
                         help="simulated CPU devices (XLA:CPU; 64 without --topology)")
     parser.add_argument("--mesh", action="append", default=None,
-                        help="data,fsdp,tensor (repeatable; default 8,8,1 and 8,4,2)")
+                        help="data,fsdp,tensor, one may be -1 (repeatable; default -1,8,1 with "
+                             "--topology (fsdp half the chips on slices under 16), else 8,8,1 "
+                             "and 8,4,2)")
     parser.add_argument("--modes", default="fp32,fp8,gift_fp8,plumage_fp8",
                         help="comma-separated, of: fp32, fp8, gift_fp8, plumage_fp8")
     parser.add_argument("--refresh", action="store_true",
@@ -69,7 +71,7 @@ def _child_rows(argv, mesh: str, mode: str) -> tuple[list[dict], str | None]:
         if a.split("=", 1)[0] in drop:
             continue
         kept.append(a)
-    cmd = [sys.executable, __file__, *kept, "--mesh", mesh, "--modes", mode, "--in_process"]
+    cmd = [sys.executable, __file__, *kept, f"--mesh={mesh}", f"--modes={mode}", "--in_process"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0:
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
 
     from gift_jax.apps.pod import MODES, compile_mode, markdown_table
     from gift_jax.training.config import ConfigError, apply_overrides, load_config
+    from gift_jax.training.mesh import device_grid, mesh_shape
     from gift_jax.utils import tpu
 
     configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -122,12 +125,19 @@ def main(argv=None) -> int:
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise ConfigError(f"--modes {unknown} unknown; allowed: {', '.join(MODES)}")
-        meshes = [tuple(int(v) for v in m.split(",")) for m in (args.mesh or ["8,8,1", "8,4,2"])]
-        for mesh in meshes:
-            if args.slices > 1 and mesh[0] % args.slices:
-                raise ConfigError(f"--slices={args.slices} does not divide mesh.data={mesh[0]} "
-                                  f"(--mesh {','.join(map(str, mesh))}): data runs across the "
-                                  "slices")
+        n = len(pod)  # default with --topology: fsdp 8 (fewer on small slices), data the rest
+        default = [f"-1,{8 if n >= 16 else max(1, n // 2)},1"] if topology is not None \
+            else ["8,8,1", "8,4,2"]
+        meshes = []
+        for text in args.mesh or default:
+            try:
+                data, fsdp, tensor = (int(v) for v in text.split(","))
+            except ValueError:
+                raise ConfigError(f"--mesh {text!r} must be data,fsdp,tensor (ints; one may "
+                                  "be -1)") from None
+            sizes = mesh_shape(len(pod), data, fsdp, tensor)
+            meshes.append((sizes["data"], sizes["fsdp"], sizes["tensor"]))
+            device_grid(meshes[-1], pod)  # one line if it does not fit the chips (or slices)
         rows, failed = [], []
         for mesh in meshes:
             for mode in modes:

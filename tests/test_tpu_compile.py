@@ -172,7 +172,11 @@ def test_compile_pod_script_topology(tmp_path):
     assert "compiler: TPU (libtpu), v5p-16: 8 chips of TPU v5" in proc.stdout
     for args, message in [(("--topology", "v5x-16"), "unknown topology 'v5x-16'; known: "),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh", "3,4,1"),
-                           "--slices=2 does not divide mesh.data=3")]:
+                           "mesh.data=3, mesh.fsdp=4, mesh.tensor=1 multiply to 12, not to "
+                           "the number of devices (32)"),
+                          (("--topology", "v5e-16", "--slices", "2", "--mesh=-1,16,2"),
+                           "mesh 1x16x2 (data x fsdp x tensor) cannot be laid out on 2 slices "
+                           "of TPU v5 lite 4x4x1 (mesh.data=1 is not a multiple of the 2 slices)")]:
         proc = run(*args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), proc.stderr

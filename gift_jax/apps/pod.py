@@ -186,10 +186,11 @@ class PodCompile:
         if self.expected_argument_bytes:
             row["args_vs_ideal"] = round(self.argument_bytes / self.expected_argument_bytes, 3)
         across = self.data_bytes + self.dcn_bytes  # in-slice parts + what leaves the slice
+        ratio = lambda ref: round(across / ref, 4) if ref else "-"  # data = 1: no reduction
         row.update({"data_MiB": round(across / 2**20, 1),
                     "replica_MiB": round(self.model_bytes / 2**20, 1),
-                    "vs_fp32_shard": round(across / self.fp32_local_bytes, 4),
-                    "vs_replicated_dp": round(across / self.fp32_replicated_bytes, 4)})
+                    "vs_fp32_shard": ratio(self.fp32_local_bytes),
+                    "vs_replicated_dp": ratio(self.fp32_replicated_bytes)})
         if self.dcn_bytes or self.ici_bytes:
             row["dcn_MiB"] = round(self.dcn_bytes / 2**20, 1)
             row["ici_MiB"] = round(self.ici_bytes / 2**20, 1)
