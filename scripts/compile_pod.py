@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from gift_jax.apps.pod import MODES, compile_mode, markdown_table
+    from gift_jax.apps.pod import MODES, compile_mode, markdown_table, mode_config
     from gift_jax.training.config import ConfigError, apply_overrides, load_config
     from gift_jax.training.mesh import device_grid, mesh_shape
     from gift_jax.utils import tpu
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
             sizes = mesh_shape(len(pod), data, fsdp, tensor)
             meshes.append((sizes["data"], sizes["fsdp"], sizes["tensor"]))
             device_grid(meshes[-1], pod)  # one line if it does not fit the chips (or slices)
+            for mode in modes:  # settings errors here, as one line, not as failed children
+                mode_config(config, mode, meshes[-1], len(pod))
         rows, failed = [], []
         for mesh in meshes:
             for mode in modes:

@@ -174,6 +174,8 @@ def test_compile_pod_script_topology(tmp_path):
                           (("--topology", "v5e-16", "--slices", "2", "--mesh", "3,4,1"),
                            "mesh.data=3, mesh.fsdp=4, mesh.tensor=1 multiply to 12, not to "
                            "the number of devices (32)"),
+                          (("--topology", "v5e-16", "--slices", "2", "--mesh", "4,8,1"),
+                           "train.global_batch_size=8 must be divisible"),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh=-1,16,2"),
                            "mesh 1x16x2 (data x fsdp x tensor) cannot be laid out on 2 slices "
                            "of TPU v5 lite 4x4x1 (mesh.data=1 is not a multiple of the 2 slices)")]:

@@ -230,6 +230,19 @@ def dcn_bytes(hlo_text: str) -> float:
     return total
 
 
+def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
+                num_devices: int) -> ml_collections.ConfigDict:
+    """``config`` with the codec and method of ``mode`` (a key of :data:`MODES`) on a
+    ``(data, fsdp, tensor)`` mesh, validated for ``num_devices`` (raises ``ConfigError``)."""
+    codec, method = MODES[mode]
+    data, fsdp, tensor = mesh_shape
+    config = set_fields(complete_config(config), {
+        "comm.codec": codec, "comm.method": method, "mesh.data": data, "mesh.fsdp": fsdp,
+        "mesh.tensor": tensor})
+    validate_config(config, num_devices)
+    return config
+
+
 def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
                  devices: Sequence[jax.Device] | None = None, *,
                  refresh: bool = False, topology=None) -> list[PodCompile]:
@@ -238,12 +251,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     ``refresh``: the refresh variant as well (GIFT/PLUMAGE). ``topology``: the
     :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile)."""
     devices = jax.devices() if devices is None else list(devices)
-    codec, method = MODES[mode]
     data, fsdp, tensor = mesh_shape
-    config = set_fields(complete_config(config), {
-        "comm.codec": codec, "comm.method": method, "mesh.data": data, "mesh.fsdp": fsdp,
-        "mesh.tensor": tensor})
-    validate_config(config, len(devices))
+    config = mode_config(config, mode, mesh_shape, len(devices))
     mesh = mesh_from_config(config.mesh, devices)
     program = Program(config, mesh)
     n_params = count_params(program.model_config)
