@@ -47,7 +47,7 @@ import jax
 import ml_collections
 
 import gift_jax
-from gift_jax.comm.wire import _arrays as array_bytes
+from gift_jax.comm.wire import array_bytes
 from gift_jax.models import count_params
 from gift_jax.training.config import complete_config, set_fields, validate_config
 from gift_jax.training.mesh import data_axes, mesh_from_config, model_axes

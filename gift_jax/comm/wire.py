@@ -104,7 +104,8 @@ class WireReport:
         return "\n".join(lines)
 
 
-def _arrays(type_str: str) -> list[tuple[str, int]]:
+def array_bytes(type_str: str) -> list[tuple[str, int]]:
+    """``[(dtype, bytes)]`` of every array in an HLO type string (``(u8[4,128], u32[])``)."""
     out = []
     for m in _ARRAY.finditer(type_str):
         dims = [int(d) for d in m.group("dims").split(",") if d]
@@ -175,7 +176,7 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
         m = _LINE.match(line)
         if not m:
             continue
-        kind, arrays = m.group("op"), _arrays(m.group("type"))
+        kind, arrays = m.group("op"), array_bytes(m.group("type"))
         if m.group("start") and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
             # async start ops return (operands, results): keep the results for all-gather,
             # the operand for collective-permute
