@@ -31,11 +31,13 @@ def _loss(params, x, y):
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
 
-def _train_step(mesh, tx, check_vma=False):
-    """A data-parallel step: per-device gradients → the chain (our stage first) → params."""
+def _train_step(mesh, tx, check_vma=False, pcast=False):
+    """A data-parallel step: per-device gradients → the chain (our stage first) → params
+    (``pcast``: the parameters marked varying over 'data' before ``jax.grad``)."""
 
     def step(params, opt_state, x, y):
-        grads = jax.grad(_loss)(params, x[0], y[0])
+        local = jax.lax.pcast(params, "data", to="varying") if pcast else params
+        grads = jax.grad(_loss)(local, x[0], y[0])
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -98,21 +100,25 @@ def test_no_recompilation_on_second_call(mesh):
 
 
 def test_grad_of_replicated_params_inside_shard_map(mesh):
-    """With check_vma=True, jax.grad inserts its own fp32 all-reduce of the gradient (and our
-    stage would sum again); with check_vma=False the gradient is per-device and the step's
-    HLO has no gradient-sized f32 all-reduce besides ours."""
+    """With check_vma=True, jax.grad of invariant parameters would insert its own fp32
+    all-reduce of the gradient (and the stage would sum again): the stage refuses it. Marked
+    varying (pcast), or under check_vma=False, the gradient is per device and the step's HLO
+    has no gradient-sized f32 all-reduce besides the stage's FP8 one."""
     params, x, y = _problem()
     grad_bytes = 4 * 32 * 16
-    for check_vma, expect_fp32_allreduce in ((True, True), (False, False)):
-        tx = gj.allreduce("data", codec="fp8_e4m3")
-        state = tx.init(params)
-        step = _train_step(mesh, tx, check_vma=check_vma)
-        shard = NamedSharding(mesh, P("data"))
-        report = gj.wire_bytes(step, params, state, jax.device_put(x, shard),
-                               jax.device_put(y, shard))
+    tx = gj.allreduce("data", codec="fp8_e4m3")
+    state = tx.init(params)
+    shard = NamedSharding(mesh, P("data"))
+    args = (params, state, jax.device_put(x, shard), jax.device_put(y, shard))
+    with pytest.raises(gj.utils.axes.NotPerDeviceError, match="multiply it by 8"):
+        _train_step(mesh, tx, check_vma=True)(*args)
+    for check_vma in (True, False):
+        report = gj.wire_bytes(_train_step(mesh, tx, check_vma=check_vma, pcast=check_vma),
+                               *args)
         big_f32 = [op for op in report.ops if op.kind == "all-reduce" and "f32" in op.dtypes
                    and op.buffer_bytes >= grad_bytes]
-        assert bool(big_f32) == expect_fp32_allreduce, report.table()
+        assert not big_f32, report.table()
+        assert any("u8" in op.dtypes for op in report.ops), report.table()  # the FP8 wire
 
 
 def test_error_feedback_keeps_the_running_sum_faithful(mesh):

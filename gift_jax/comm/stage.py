@@ -38,6 +38,7 @@ from gift_jax.comm.collectives import (
     reframe_residuals,
     resolve_codecs,
 )
+from gift_jax.utils.axes import axis_tuple, require_per_device
 from gift_jax.utils.tree_paths import leaf_path
 
 
@@ -173,6 +174,7 @@ def allreduce(
 
     def update_fn(updates, state, params=None):
         del params
+        require_per_device(updates, _reduced_axes(spec), "gift_jax.allreduce")
         key, sub = (None, None)
         if state.key is not None:
             key, sub = jax.random.split(state.key)
@@ -305,12 +307,13 @@ def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
     """The axis (or tuple of axes, hierarchical included) an :func:`allreduce` stage reduces
     over, or ``None`` for any other transformation."""
     spec = allreduce_spec(stage)
-    if spec is None or spec.axis_name is None:
-        return None
-    if spec.intra_axis is None:
+    return None if spec is None else _reduced_axes(spec)
+
+
+def _reduced_axes(spec: AllReduceSpec) -> AxisName | None:
+    if spec.axis_name is None or spec.intra_axis is None:
         return spec.axis_name
-    as_tuple = lambda a: a if isinstance(a, tuple) else (a,)
-    return as_tuple(spec.axis_name) + as_tuple(spec.intra_axis)
+    return axis_tuple(spec.axis_name) + axis_tuple(spec.intra_axis)
 
 
 def matrices_only(codec: str = "fp8_e4m3", other: str = "fp32"):

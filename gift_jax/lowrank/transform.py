@@ -29,6 +29,7 @@ import optax
 from gift_jax.comm.stage import allreduce_axis, reset_error_feedback
 from gift_jax.lowrank import estimator
 from gift_jax.lowrank.views import LeafLayout, resolve_layouts
+from gift_jax.utils.axes import cond, require_per_device
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.tree_paths import leaf_path
 
@@ -117,6 +118,7 @@ class Settings:
     comm_refresh: Any  # the full-tree stage of refresh steps, or None
     separate_refresh_stage: bool  # communicate_refresh was given
     axis_name: Any  # axis to spread refresh SVDs over (None: local)
+    comm_axis: Any  # axis the refresh steps' stage reduces over (None: unknown or local)
 
     @property
     def keep_basis(self) -> bool:
@@ -180,8 +182,9 @@ class Settings:
                     f"{communicate_refresh!r}"
                 )
         full_stage = communicate if communicate_refresh is None else communicate_refresh
-        if axis_name is None and communicate is not None:
-            axis_name = allreduce_axis(full_stage)
+        comm_axis = None if communicate is None else allreduce_axis(full_stage)
+        if axis_name is None:
+            axis_name = comm_axis
         wrap = lambda t: None if communicate is None else optax.with_extra_args_support(t)
         return cls(
             rank=rank, refresh_every=refresh_every, strategy=strategy,
@@ -191,7 +194,7 @@ class Settings:
             weight_dimension_numbers=weight_dimension_numbers, mask=mask, adaptive=a,
             comm=wrap(communicate), comm_refresh=wrap(full_stage),
             separate_refresh_stage=communicate_refresh is not None,
-            axis_name=axis_name if distribute_refresh else None,
+            axis_name=axis_name if distribute_refresh else None, comm_axis=comm_axis,
         )
 
 
@@ -632,6 +635,8 @@ def scale_by_plumage(
                             refresh_comm_state=refresh_comm_state, **counters)
 
     def update_fn(updates, state: PlumageState, params=None, **extra_args):
+        if s.comm is not None:
+            require_per_device(updates, s.comm_axis, "gift_jax.plumage")
         refresh_now = _static_refresh(s, extra_args)
         gift_stats = _pop_gift_stats(s, state.comm_state, refresh_now, extra_args)
         layouts = s.layouts(updates)
@@ -640,7 +645,7 @@ def scale_by_plumage(
         grads, reduced, refreshed = updates, False, bool(refresh_now)
         if refresh_now is None:
             refreshed = _is_due(state)
-            core = jax.lax.cond(refreshed, lambda c: refresh(s, c, grads, layouts),
+            core = cond(refreshed, lambda c: refresh(s, c, grads, layouts),
                                 lambda c: c, core)
         elif refresh_now:
             if s.comm is not None:  # SVDs of the reduced gradient: the same P on every replica
@@ -656,7 +661,7 @@ def scale_by_plumage(
         last_refresh = jnp.where(refreshed, state.count, state.last_refresh).astype(jnp.int32)
         if s.resample_every is not None:
             due = (state.count % s.resample_every == 0) & jnp.logical_not(refreshed)
-            core = jax.lax.cond(due, lambda c: resample(s, c, layouts), lambda c: c, core)
+            core = cond(due, lambda c: resample(s, c, layouts), lambda c: c, core)
             if s.comm is not None:
                 comm_state = reset_error_feedback(comm_state, due)
 

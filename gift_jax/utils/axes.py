@@ -7,10 +7,19 @@ device wherever a function takes ``axis_name: AxisName | None``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
+from gift_jax.utils.tree_paths import leaf_path
+
 AxisName = str | tuple[str, ...]
+
+
+def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
+    """``axis_name`` as a tuple of mesh axes."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -52,3 +61,90 @@ def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     if hasattr(jax.lax, "pvary"):
         return jax.lax.pvary(x, axis_name)
     return x
+
+
+# ---- shard_map's check_vma=True: values typed by the mesh axes they vary over -------------
+#
+# Under ``jax.shard_map(..., check_vma=True)`` (JAX's default) every value's type records the
+# manual mesh axes it varies over (``jax.typeof(x).mat.varying``); JAX's autodiff uses it: the
+# gradient of a parameter passed in replicated (``in_specs=P()``), and so typed invariant, is
+# summed over the devices by autodiff itself. Under ``check_vma=False`` nothing is tracked
+# and every set is empty.
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes the type of ``x`` (an array, tracer or ``ShapeDtypeStruct``) varies
+    over; empty outside ``shard_map`` and under ``check_vma=False``."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # JAX before the ManualAxisType record
+
+
+def vma_checked(axis_name: AxisName) -> bool:
+    """Whether the enclosing ``shard_map`` tracks how values vary over ``axis_name``
+    (``check_vma=True``): the replica index varies over its axis exactly then. ``False`` for
+    an axis that is not bound here (the collectives name that error themselves)."""
+    try:
+        return all(a in varying_axes(jax.lax.axis_index(a)) for a in axis_tuple(axis_name))
+    except NameError:
+        return False
+
+
+def cast_varying(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``x`` typed as varying over ``axes`` as well (a no-op where it already does)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return as_varying(x, missing) if missing else x
+
+
+def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+    """``jax.lax.cond`` whose branches may differ in the mesh axes their outputs vary over
+    (one branch returns a constant, the other a value computed from per-replica data): each
+    output is typed as varying over the union of both branches' axes (and the predicate's),
+    which is what ``check_vma=True`` asks of a ``cond``. Without tracking it is
+    ``jax.lax.cond``."""
+    shapes = jax.eval_shape(true_fn, *operands), jax.eval_shape(false_fn, *operands)
+    leaves = [jax.tree.leaves(s) for s in shapes]
+    if not any(varying_axes(x) for side in leaves for x in side) and not varying_axes(pred):
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+    axes = [varying_axes(a) | varying_axes(b) | varying_axes(pred)
+            for a, b in zip(*leaves, strict=True)]
+
+    def typed(fn):
+        def branch(*args):
+            out, treedef = jax.tree.flatten(fn(*args))
+            return treedef.unflatten([cast_varying(x, ax) for x, ax in zip(out, axes,
+                                                                           strict=True)])
+        return branch
+
+    return jax.lax.cond(pred, typed(true_fn), typed(false_fn), *operands)
+
+
+class NotPerDeviceError(ValueError):
+    """A stage that reduces over data-parallel devices was given a gradient that JAX's
+    autodiff has already summed over them (``shard_map(check_vma=True)``, replicated
+    parameters)."""
+
+
+def require_per_device(tree: Any, axis_name: AxisName, stage: str) -> None:
+    """Refuse (:class:`NotPerDeviceError`, one line) a gradient tree that does not vary over
+    ``axis_name`` under ``check_vma=True``: autodiff of parameters passed in replicated has
+    summed it over the devices in full precision already, and reducing it again would multiply
+    it by the number of replicas (and compress nothing: the sum has crossed the wire). Under
+    ``check_vma=False`` nothing is tracked and nothing is checked."""
+    if axis_name is None or not vma_checked(axis_name):
+        return
+    axes = frozenset(axis_tuple(axis_name))
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    summed = [leaf_path(p) for p, x in flat if not axes <= varying_axes(x)]
+    if summed:
+        n = axis_size(axis_name)
+        name = axis_name if len(axes) > 1 else next(iter(axes))
+        raise NotPerDeviceError(
+            f"{stage}: the gradient of {summed[0]!r}"
+            f"{f' (and {len(summed) - 1} more)' if len(summed) > 1 else ''} does not vary "
+            f"over {name!r}: inside jax.shard_map(check_vma=True) JAX's autodiff has already "
+            f"summed it over the {n} devices in fp32, and reducing it again would multiply it "
+            f"by {n}. Differentiate per device: params = jax.lax.pcast(params, {name!r}, "
+            "to='varying') before jax.grad (or shard_map(..., check_vma=False))")

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gift_jax.utils.axes import cond
 from gift_jax.utils.linalg import map_matrices
 
 __all__ = [
@@ -515,4 +516,4 @@ def make_factor(
         f = jax.tree.map(lambda x, y: jnp.where(ok2, x, y), f2, ident)
         return f, jnp.where(ok2, 1, 2).astype(jnp.int32)
 
-    return jax.lax.cond(ok1, lambda: (f1, jnp.zeros((), jnp.int32)), retry)
+    return cond(ok1, lambda: (f1, jnp.zeros((), jnp.int32)), retry)

@@ -107,7 +107,7 @@ from gift_jax.comm.stage import (
     reframe_error_feedback,
     transport_only,
 )
-from gift_jax.utils.axes import pmean
+from gift_jax.utils.axes import pmean, require_per_device
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
 from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
@@ -425,8 +425,9 @@ def gift(
     """
     if not hasattr(inner, "init") or not hasattr(inner, "update"):
         raise TypeError(f"gift: inner must be an optax GradientTransformation, got {inner!r}")
+    comm_axis = allreduce_axis(inner)  # what the inner all-reduce reduces over, if it is one
     if axis_name is None:  # average statistics over the axis the inner all-reduce uses
-        axis_name = allreduce_axis(inner)
+        axis_name = comm_axis
     if isinstance(layers, str):
         layers = (layers,)
     layers = tuple(layers)
@@ -685,6 +686,7 @@ def gift(
         updates, state, params=None, *, gift_stats=None, gift_output_stats=None,
         gift_projection=None, gift_coverage=None, gift_route_updates=None, **extra_args,
     ):
+        require_per_device(updates, comm_axis, "gift_jax.gift")
         sel = select_layers(updates, layers, dimension_numbers)
         if gift_coverage is not None and (gift_stats is not None or not track_coverage):
             raise ValueError("gift: gift_coverage is for the ordinary steps of a "
