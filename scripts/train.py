@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
 
 #: What Ctrl-C reports when it stopped the run before the trainer could write a checkpoint.
@@ -43,7 +44,9 @@ def _positive(text: str) -> int:
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="config file defining get_config()")
+    parser.add_argument("--config", required=True,
+                        help="config file defining get_config(), or the name of one in "
+                             "configs/ (tiny, llama_1b, ...)")
     parser.add_argument("--workdir", default=None, help="checkpoints, metrics, summary")
     parser.add_argument("--data", default=None, help="corpus spec (default: data.source)")
     parser.add_argument("--data_dir", default=None, help="where the corpus lives")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, pathlib.Path(__file__).resolve().parents[1] / "configs")
         config = apply_overrides(complete_config(config), overrides)
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 

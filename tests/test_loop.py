@@ -9,6 +9,8 @@ The small config and synthetic batches are those of ``test_training.py``.
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import time
 
@@ -24,7 +26,11 @@ from test_training import (
 )
 
 from gift_jax.training import ConfigError, Trainer, TrainingStalledError
-from gift_jax.training.checkpoint import Checkpointer
+from gift_jax.training.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    NoIntactCheckpointError,
+)
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
@@ -152,3 +158,121 @@ def test_cli_stop_after_then_resume(tmp_path, capsys):
     assert summary["steps"] == 4 and summary["steps_this_call"] == 2
     assert main(args + ["--stop_after", "0"]) == 2
     assert "--stop_after=0 must be a positive" in capsys.readouterr().err
+
+
+def _damage(step_dir, case):
+    """One way a checkpoint step gets damaged on disk."""
+    state = step_dir / "state"
+    if case == "truncated_data_file":
+        data = max((p for p in state.glob("ocdbt.process_0/d/*")), key=lambda p: p.stat().st_size)
+        with open(data, "r+b") as f:
+            f.truncate(10)
+    elif case == "missing_metadata":
+        (step_dir / "meta" / "metadata").unlink()
+    elif case == "missing_manifest":
+        for p in [state / "manifest.ocdbt", *state.glob("ocdbt.process_*/manifest.ocdbt")]:
+            p.unlink()
+    elif case == "missing_commit_marker":
+        (step_dir / "commit_success.txt").unlink()
+    elif case == "partly_written":  # the state item never made it
+        shutil.rmtree(state)
+
+
+DAMAGES = ["truncated_data_file", "missing_metadata", "missing_manifest",
+           "missing_commit_marker", "partly_written"]
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """A GIFT run's checkpoints of steps 2 and 4 (of 6), and the uninterrupted run."""
+    config = small_config("gift_fp8", "adamw", **{"train.checkpoint_every": 2,
+                                                  "train.num_steps": 6})
+    workdir = tmp_path_factory.mktemp("interrupted")
+    run(config, str(workdir), stop_after=4)
+    return config, workdir, run(config, stop_after=6)
+
+
+@pytest.mark.parametrize("case", DAMAGES)
+def test_a_damaged_checkpoint_resumes_from_the_newest_intact_one(interrupted_run, tmp_path,
+                                                                  case, caplog):
+    config, source, full = interrupted_run
+    shutil.copytree(source, tmp_path / "run")
+    workdir = tmp_path / "run"
+    _damage(workdir / "checkpoints" / "4", case)
+    with caplog.at_level(logging.INFO):
+        resumed = run(config, str(workdir), resume=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if case == "missing_commit_marker":  # the listing, written after orbax's commit, holds
+        assert not warnings and "resumed from step 4" in caplog.text
+    else:
+        assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+        assert re.match(r"checkpoint of step 4 is damaged \(.+\): moved aside to .*4\.damaged; "
+                        r"trying step 2$", warnings[0]), warnings[0]
+        assert "resumed from step 2" in caplog.text
+        assert (workdir / "checkpoints" / "4.damaged").is_dir()  # kept, not deleted
+    assert resumed.step == 6
+    assert_trees_equal(resumed.params, full.params)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+
+
+def test_no_intact_checkpoint_is_one_line(interrupted_run, tmp_path):
+    config, source, _ = interrupted_run
+    shutil.copytree(source, tmp_path / "run")
+    for step in ("2", "4"):
+        _damage(tmp_path / "run" / "checkpoints" / step, "missing_metadata")
+    with pytest.raises(NoIntactCheckpointError, match=r"steps \[4, 2\] were damaged"):
+        run(config, str(tmp_path / "run"), resume=True)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "2.damaged", "4.damaged"]
+
+
+def _with(config, **fields):
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        for name, value in fields.items():
+            group, key = name.split("__")
+            config[group][key] = value
+    return config
+
+
+def test_extending_a_finished_run_keeps_or_stretches_the_schedule(tmp_path, caplog):
+    """``train.num_steps`` 6 -> 9 on a finished run. ``keep``: bit for bit a 9-step run whose
+    schedule is 6 steps long (no jump); ``stretch``: a one-line warning naming the jump, and
+    the logged learning rate follows the 9-step schedule. Model changes are still refused."""
+    config = small_config("fp8", "adamw", **{"train.num_steps": 6, "train.log_every": 1,
+                                             "train.checkpoint_every": 3})
+    run(config, str(tmp_path / "keep"))
+    shutil.copytree(tmp_path / "keep", tmp_path / "stretch")
+    longer = _with(config, train__num_steps=9)
+
+    with caplog.at_level(logging.INFO):
+        kept = run(longer, str(tmp_path / "keep"), resume=True)
+    assert "keeps its 6-step length" in caplog.text
+    reference = run(_with(longer, optimizer__schedule_steps=6))
+    assert kept.step == 9
+    assert_trees_equal(kept.params, reference.params)
+    assert_trees_equal(kept.opt_state, reference.opt_state)
+    final = config.optimizer.final_learning_rate
+    assert [r["learning_rate"] for r in _train_records(kept.history)] == pytest.approx(
+        [final] * 3)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # again with 9: the kept 6-step schedule is recorded
+        again = run(longer, str(tmp_path / "keep"), resume=True)
+    assert again.step == 9 and "schedule" not in caplog.text
+
+    caplog.clear()
+    stretched = run(_with(longer, train__extend_schedule="stretch"), str(tmp_path / "stretch"),
+                    resume=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and re.search(r"stretched from 6 to 9 steps.*: 0\.001 -> "
+                                            r"0\.00\d+ at step 6$", warnings[0]), warnings
+    from gift_jax.training import learning_rate_schedule
+    nine = learning_rate_schedule(longer.optimizer, 9)
+    assert [r["learning_rate"] for r in _train_records(stretched.history)] == pytest.approx(
+        [float(nine(s)) for s in (6, 7, 8)])
+
+    with pytest.raises(CheckpointMismatchError, match=r"model\.d_model: 32 \(checkpoint\)"):
+        run(_with(longer, model__d_model=48), str(tmp_path / "keep"), resume=True)
+    with pytest.raises(ConfigError, match=r"train\.extend_schedule='later' is not supported; "
+                       "allowed: keep, stretch"):
+        run(_with(longer, train__extend_schedule="later"), str(tmp_path / "keep"), resume=True)

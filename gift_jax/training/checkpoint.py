@@ -13,6 +13,17 @@ A checkpoint holds two items:
 
 Every random choice of a run lives in the optimizer state (keys) or is a pure function of
 ``(seed, step)`` (the data order), so restoring these items continues the run bit-exactly.
+A damaged checkpoint (a truncated or missing data file, missing metadata or manifest, a
+missing commit marker, a step directory only partly written) never stops a run: restoring
+takes the newest checkpoint that restores, warns in one line which step was damaged and why,
+and moves the damaged one aside (``<step>.damaged``, not deleted). A run therefore loses at
+most the steps since the last intact checkpoint. Damage is found before orbax reads anything
+where possible: after each save, process 0 lists every file of the step with its size
+(``gift_jax_files.json``, written once orbax has committed the step), and a restore first
+checks that listing; a missing or truncated file then costs one line, not orbax's pages of
+asynchronous tracebacks. Checkpoints without a listing (older ones, or a crash between orbax's
+commit and the listing) are read by orbax directly.
+
 A checkpoint written with a different config is refused with the list of differing fields,
 except the mesh (``mesh.data/fsdp/tensor/rules``): every array is a global array, restored
 onto the new run's shardings, so a run resumes on another mesh shape; only the per-device
@@ -22,6 +33,7 @@ error-feedback buffers whose meaning follows the mesh restart from zero (with a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -29,15 +41,56 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from gift_jax.training.config import config_differences, to_json
 
 log = logging.getLogger(__name__)
 
+#: Every file of a checkpoint step with its size in bytes, written after orbax's commit.
+FILE_LISTING = "gift_jax_files.json"
+
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint that does not belong to this run's config or state layout."""
+
+
+class NoIntactCheckpointError(RuntimeError):
+    """Every checkpoint of the directory was damaged (each has been moved aside)."""
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process (all take the same decision)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _file_sizes(root: epath.Path) -> dict[str, int]:
+    """``{path relative to root: size}`` of every file below ``root`` (but the listing)."""
+    sizes = {}
+    for folder, _, files in root.walk():
+        for name in files:
+            path = epath.Path(folder) / name
+            if path.name != FILE_LISTING:
+                sizes[str(path.relative_to(root))] = int(path.stat().length)
+    return sizes
+
+
+def _reason(error: BaseException) -> str:
+    """One line saying why a checkpoint did not restore: the innermost cause (TensorStore's
+    status, e.g. ``OUT_OF_RANGE``, sits below orbax's wrappers)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @dataclasses.dataclass
@@ -100,6 +153,52 @@ class Checkpointer:
         """The most recent checkpointed step, or ``None``."""
         return self.manager.latest_step()
 
+    def _set_aside(self, step: int, error: BaseException, then: str) -> None:
+        """Moves the damaged checkpoint of ``step`` to ``<step>.damaged`` (process 0; every
+        process waits) with a one-line warning naming the cause and what happens ``then``."""
+        source = epath.Path(self.directory) / str(step)
+        target = source.with_name(f"{step}.damaged")
+        k = 1
+        while target.exists():
+            k += 1
+            target = source.with_name(f"{step}.damaged{k}")
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"gift_jax set aside checkpoint {step}")
+        self.manager.reload()
+        log.warning("checkpoint of step %d is damaged (%s): moved aside to %s; %s", step,
+                    _reason(error), target, then)
+
+    def _newest_intact(self, attempt):
+        """``attempt(step)`` on the checkpoints from the newest down, moving aside every one
+        it fails on; the first result, with its step.
+
+        Raises:
+          FileNotFoundError: no checkpoint at all.
+          NoIntactCheckpointError: none that ``attempt`` succeeds on.
+          CheckpointMismatchError: raised by ``attempt`` (not damage: passed on).
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        for i, step in enumerate(steps):
+            error = None
+            try:
+                result = attempt(step)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- any failure to read is damage
+                error = e
+            if _everywhere(error is None):
+                return step, result
+            then = (f"trying step {steps[i + 1]}" if i + 1 < len(steps)
+                    else "no older checkpoint")
+            self._set_aside(step, error or RuntimeError("failed on another process"), then)
+        raise NoIntactCheckpointError(
+            f"no checkpoint in {self.directory} restores: steps {steps} were damaged and are "
+            "moved aside (*.damaged); start a new run, or restore one of them by hand")
+
     def save(self, step: int, state: Any, *, data_position: int, skipped: int = 0,
              force: bool = True) -> None:
         """Writes ``state`` at ``step`` (blocking until it is on disk)."""
@@ -119,19 +218,64 @@ class Checkpointer:
             force=force,
         )
         self.manager.wait_until_finished()
+        if jax.process_count() > 1:  # every process's files are written
+            multihost_utils.sync_global_devices(f"gift_jax checkpoint {step} written")
+        if jax.process_index() == 0:
+            root = epath.Path(self.directory) / str(step)
+            (root / FILE_LISTING).write_text(json.dumps(_file_sizes(root), sort_keys=True))
+
+    def _require_files(self, step: int) -> None:
+        """Every file of ``step``'s listing, at its size; without a listing, the files
+        without which orbax cannot read the step (metadata, the OCDBT manifests). Checked
+        before orbax runs, whose failure on a missing or truncated file leaves pages of
+        asynchronous tracebacks on the terminal.
+
+        Raises:
+          FileNotFoundError: naming the first missing or truncated file.
+        """
+        root = epath.Path(self.directory) / str(step)
+        listing = root / FILE_LISTING
+        if listing.exists():
+            found = _file_sizes(root)
+            for path, size in json.loads(listing.read_text()).items():
+                if epath.Path(path).name == "commit_success.txt":
+                    continue  # orbax's marker for object stores; the listing is our commit
+                if path not in found:
+                    raise FileNotFoundError(f"{path} is missing")
+                if found[path] != size:
+                    raise FileNotFoundError(f"{path} has {found[path]} of its {size} bytes")
+            return
+        state = root / "state"
+        required = [root / "meta" / "metadata", state / "_METADATA"]
+        if state.exists() and any(state.glob("ocdbt.process_*")):
+            required += [state / "manifest.ocdbt"] + [
+                p / "manifest.ocdbt" for p in state.glob("ocdbt.process_*")]
+        for path in required:
+            if not path.exists():
+                raise FileNotFoundError(f"{path.relative_to(root)} is missing")
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        self._require_files(step)
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+        for key in ("step", "data_position", "config", "paths", "shapes"):
+            if key not in meta:
+                raise KeyError(f"metadata without {key!r}")
+        return meta
 
     def check_config(self, step: int | None = None) -> dict[str, Any]:
-        """The metadata of ``step`` (default: latest), after checking its config.
+        """The metadata of ``step`` (default: the newest whose metadata reads; damaged ones
+        are moved aside), after checking its config.
 
         Raises:
           FileNotFoundError: no checkpoint.
+          NoIntactCheckpointError: no checkpoint whose metadata reads.
           CheckpointMismatchError: written with a different config.
         """
-        step = self.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
+            step, meta = self._newest_intact(self._read_meta)
+        else:
+            meta = self._read_meta(step)
         diffs = config_differences(meta["config"], self.config)
         if diffs:
             raise CheckpointMismatchError(
@@ -142,14 +286,20 @@ class Checkpointer:
         return meta
 
     def restore(self, template: Any, step: int | None = None) -> Restored:
-        """Restores ``step`` (default: latest) into the structure and shardings of ``template``.
+        """Restores ``step`` into the structure and shardings of ``template``; by default the
+        newest checkpoint that restores, moving aside (one warning each) the damaged ones.
 
         Raises:
           FileNotFoundError: no checkpoint.
+          NoIntactCheckpointError: none restores.
           CheckpointMismatchError: written with a different config or state layout.
         """
+        if step is not None:
+            return self._restore(template, step)
+        return self._newest_intact(lambda s: self._restore(template, s))[1]
+
+    def _restore(self, template: Any, step: int) -> Restored:
         meta = self.check_config(step)
-        step = meta["step"]
         names, leaves, treedef = _flat_paths(template)
         signatures = [_signature(x) for x in leaves]
         # the shard owners' error-feedback rows follow the mesh shape even where the shapes

@@ -25,7 +25,7 @@ import os
 import pathlib
 import runpy
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 
@@ -72,7 +72,14 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "intra_codec": "fp32",  # codec of the intra-node reduce-scatter (hierarchical only)
         "distribute_refresh": True,  # spread GIFT/PLUMAGE refresh decompositions over replicas
     },
+    "optimizer": {
+        "schedule_steps": 0,  # length of the learning-rate schedule; 0: train.num_steps
+    },
     "train": {
+        # a resumed run whose train.num_steps changed: keep the schedule's length (past its
+        # end the learning rate stays at optimizer.final_learning_rate) | stretch it to the
+        # new train.num_steps (the learning rate jumps at the resumed step)
+        "extend_schedule": "keep",
         "grad_accum_steps": 1,  # microbatches per optimizer step (one all-reduce per step)
         "diagnostics_every": 100,  # steps between wire-bytes/fidelity logs; 0 disables
         "keep_checkpoints": 3,  # most recent checkpoints kept on disk
@@ -94,6 +101,14 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "tokenizer": "byte",  # byte | PATH.model | PATH/tokenizer.json | spm:N | bpe:N
     },
 }
+
+#: How a resumed run whose ``train.num_steps`` changed lays out its learning-rate schedule
+#: (see :func:`extend_schedule`).
+EXTEND_SCHEDULE = ("keep", "stretch")
+
+#: The run's length: it may change on resume, its schedule resolved by :func:`extend_schedule`.
+EXTENSION_FIELDS = frozenset({"train.num_steps", "train.extend_schedule",
+                              "optimizer.schedule_steps"})
 
 #: Fields that may differ between a checkpoint and the run resuming it (cadence and output).
 RUN_CONTROL_FIELDS = frozenset({
@@ -156,7 +171,10 @@ def load_config(name_or_path: str | os.PathLike,
     if config_dir is not None and not path.suffix and len(path.parts) == 1:
         path = pathlib.Path(config_dir) / f"{path}.py"
     if not path.is_file():
-        raise ConfigError(f"config {str(name_or_path)!r}: no such file ({path})")
+        known = ("" if config_dir is None else "; the names in " + str(config_dir) + ": " +
+                 ", ".join(sorted(p.stem for p in pathlib.Path(config_dir).glob("*.py")
+                                  if not p.stem.startswith("_"))))
+        raise ConfigError(f"config {str(name_or_path)!r}: no such file ({path}){known}")
     get_config = runpy.run_path(str(path)).get("get_config")
     if not callable(get_config):
         raise ConfigError(f"config file {str(path)!r} defines no get_config()")
@@ -341,10 +359,14 @@ def _validate_optimizer(config) -> None:
             f"optimizer.final_learning_rate={final:g} must be <= optimizer.learning_rate="
             f"{peak:g} (the {config.optimizer.schedule} schedule decays from the peak to it)")
     _positive_int(config, f"{opt}.warmup_steps", minimum=0)
-    warmup, steps = config.optimizer.warmup_steps, config.train.num_steps
+    _positive_int(config, f"{opt}.schedule_steps", minimum=0)
+    _choice(config, "train.extend_schedule", EXTEND_SCHEDULE)
+    warmup, steps = config.optimizer.warmup_steps, schedule_length(config)
+    length = ("train.num_steps" if not config.optimizer.schedule_steps
+              else "optimizer.schedule_steps")
     if warmup >= steps:
         raise ConfigError(
-            f"optimizer.warmup_steps={warmup} must be < train.num_steps={steps} (the warmup "
+            f"optimizer.warmup_steps={warmup} must be < {length}={steps} (the warmup "
             "would end after the run, never reaching optimizer.learning_rate)")
     for name in ("b1", "b2"):
         _number(config, f"{opt}.{name}", low=0, high=1, high_open=True)
@@ -587,6 +609,59 @@ def _translate_flat(flat: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def schedule_length(config: ml_collections.ConfigDict) -> int:
+    """Steps the learning-rate schedule decays over: ``optimizer.schedule_steps``, or
+    ``train.num_steps`` when it is 0."""
+    return int(config.optimizer.get("schedule_steps", 0) or config.train.num_steps)
+
+
+class Extension(NamedTuple):
+    """What :func:`extend_schedule` returns."""
+
+    config: ml_collections.ConfigDict  # with optimizer.schedule_steps made explicit
+    message: str | None  # a line to log; None: the run's length did not change
+    old_length: int  # the schedule length the checkpoint was written with
+
+
+def extend_schedule(stored_json: str, config: ml_collections.ConfigDict) -> Extension:
+    """The config of a run resuming a checkpoint written with ``stored_json``, with its
+    learning-rate schedule made explicit, and a line to log.
+
+    ``train.num_steps`` may change on resume ("train it longer", or stop earlier). What the
+    schedule then means is ``train.extend_schedule``:
+
+    * ``keep``: the schedule keeps the length it had (``optimizer.schedule_steps`` is set to
+      it); past its end cosine and linear decays stay at ``optimizer.final_learning_rate``,
+      so the learning rate continues without a jump;
+    * ``stretch``: the schedule is laid out anew over the new ``train.num_steps``; the
+      learning rate jumps at the resumed step (the line says from what to what).
+
+    An ``optimizer.schedule_steps`` set explicitly is used as given.
+    """
+    stored = _translate_flat(json.loads(stored_json))
+    old_steps = int(stored["train.num_steps"])
+    old_length = int(stored.get("optimizer.schedule_steps", 0) or old_steps)
+    new_steps = int(config.train.num_steps)
+    config = copy.deepcopy(config)
+    if config.optimizer.schedule_steps or (new_steps == old_steps
+                                           and old_length == new_steps):
+        return Extension(config, None, old_length)
+    with config.unlocked():
+        if new_steps == old_steps or config.train.extend_schedule == "keep":
+            config.optimizer.schedule_steps = old_length
+            if new_steps == old_steps:
+                return Extension(config, None, old_length)
+            return Extension(config, (
+                f"train.num_steps: {old_steps} (checkpoint) -> {new_steps}: the learning-rate "
+                f"schedule keeps its {old_length}-step length (train.extend_schedule=keep); "
+                "past it the rate stays at its final value"), old_length)
+        config.optimizer.schedule_steps = 0
+    return Extension(config, (
+        f"train.num_steps: {old_steps} (checkpoint) -> {new_steps}: the learning-rate schedule "
+        f"is stretched from {old_length} to {new_steps} steps (train.extend_schedule=stretch), "
+        "so the learning rate jumps where the run resumes"), old_length)
+
+
 def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> list[str]:
     """``"name: stored != current"`` for every field that matters for resuming.
 
@@ -598,6 +673,7 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
     current = json.loads(to_json(config))
     defaults = json.loads(json.dumps(_flatten(TRAINER_DEFAULTS)))
     names = sorted(n for n in (set(stored) | set(current)) - RUN_CONTROL_FIELDS
+                   - EXTENSION_FIELDS
                    - RESHARDABLE_FIELDS if not n.startswith(RESHARDABLE_PREFIXES))
     missing = object()
     diffs = []

@@ -38,12 +38,15 @@ from gift_jax.training.checkpoint import Checkpointer
 from gift_jax.training.config import (
     ConfigError,
     complete_config,
+    extend_schedule,
     nothing_to_communicate,
+    schedule_length,
     validate_config,
     validate_layer_patterns,
 )
 from gift_jax.training.mesh import data_axes, mesh_from_config
 from gift_jax.training.metrics import MetricsWriter, Progress
+from gift_jax.training.optim import learning_rate_schedule
 from gift_jax.training.program import program_for
 from gift_jax.training.sharding import shard_bytes
 from gift_jax.utils.timing import Stopwatch
@@ -278,8 +281,9 @@ class Trainer:
                 f"resume=True but workdir {workdir!r} holds no checkpoint: run without --resume "
                 "to start fresh, or pass --resume=auto (resume='auto') to resume when there is "
                 "one and start fresh otherwise")
-        if latest is not None:
-            self.checkpointer.check_config()  # fail fast, before anything is compiled
+        if latest is not None:  # fail fast, before anything is compiled
+            meta = self.checkpointer.check_config()
+            config = self._extend(config, meta)
         self.program = program = program_for(config, mesh, compiler_options, update_rule)
         step_fn = program.step
         self.params, self.opt_state = program.init()
@@ -334,6 +338,25 @@ class Trainer:
         self._steps_run = self._refreshes_run = 0  # by this process (the refresh share)
 
     # ---- small helpers -------------------------------------------------------------------
+
+    def _extend(self, config: ml_collections.ConfigDict,
+                meta: dict[str, Any]) -> ml_collections.ConfigDict:
+        """The config with the schedule of a resumed run whose ``train.num_steps`` changed
+        made explicit (:func:`~gift_jax.training.config.extend_schedule`), logged in one
+        line (a warning where the learning rate jumps)."""
+        extended, message, old_length = extend_schedule(meta["config"], config)
+        if message is not None:
+            if extended.train.extend_schedule == "stretch":
+                step = meta["step"]
+                before = learning_rate_schedule(extended.optimizer, old_length)(step)
+                after = learning_rate_schedule(extended.optimizer,
+                                               schedule_length(extended))(step)
+                log.warning("%s: %.3g -> %.3g at step %d", message, before, after, step)
+            else:
+                log.info(message)
+        self.config = extended
+        self.checkpointer.config = extended
+        return extended
 
     @property
     def tc(self) -> ml_collections.ConfigDict:

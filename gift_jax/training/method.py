@@ -29,7 +29,7 @@ import ml_collections
 import optax
 
 from gift_jax.training import optim
-from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError
+from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError, schedule_length
 from gift_jax.training.optim import GradNormState, learning_rate_schedule, skip_nonfinite
 
 
@@ -365,6 +365,6 @@ def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...],
         plan = dataclasses.replace(plan, update_rule=update_rule)
     if shards is not None:
         plan = dataclasses.replace(plan, shards=shards)
-    schedule = learning_rate_schedule(config.optimizer, config.train.num_steps)
+    schedule = learning_rate_schedule(config.optimizer, schedule_length(config))
     chain, stage = plan.build(config, axes, schedule)
     return Optimizer(skip_nonfinite(chain), schedule, plan, stage)
