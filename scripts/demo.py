@@ -12,9 +12,12 @@ import pathlib
 
 
 def main(argv=None):
-    from gift_jax.utils.cpu_devices import simulate_cpu_devices
+    from gift_jax.utils.cpu_devices import pin_cpu_isa, simulate_cpu_devices
 
     simulate_cpu_devices(8)  # 8 data-parallel devices on a CPU host (XLA_FLAGS may say more)
+    # the same vector code on every x86-64 CPU, so the table reproduces across machines
+    # (XLA_FLAGS=--xla_cpu_max_isa=... overrides; see gift_jax.utils.cpu_devices.pin_cpu_isa)
+    pinned = pin_cpu_isa("AVX2")
 
     from gift_jax.apps.demo import DEMO_MODES, format_table, run_demo
     from gift_jax.apps.plotting import plot_runs
@@ -34,6 +37,9 @@ def main(argv=None):
                     title=f"tiny Llama, 8 devices, {args.steps} steps", reference="fp32")
     print()
     print(format_table(rows))
+    if pinned:
+        print("\n(XLA:CPU compiled for AVX2 whatever this host's widest vector ISA: the same "
+              "vector code on every x86-64 CPU with AVX2)")
     print(f"\nloss curves: {png}")
 
 

@@ -1,5 +1,6 @@
 """Smoke test of the README demo's library side: one short run, the table and the PNG."""
 
+import os
 import pathlib
 
 import pytest
@@ -42,3 +43,19 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     (tmp_path / "fp8" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes.txt"):
         run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False)
+
+
+def test_the_demo_pins_xla_cpu_to_avx2_on_x86(monkeypatch):
+    import platform
+
+    from gift_jax.utils import cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert not cpu_devices.pin_cpu_isa("AVX2")  # not an x86 host: nothing to pin
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert cpu_devices.pin_cpu_isa("AVX2")
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8",
+                                               "--xla_cpu_max_isa=AVX2"]
+    assert not cpu_devices.pin_cpu_isa("AVX512")  # a setting already there wins
+    assert os.environ["XLA_FLAGS"].endswith("--xla_cpu_max_isa=AVX2")
