@@ -41,6 +41,12 @@ def parse_args(argv=None):
                         help="data,fsdp,tensor, one may be -1 (repeatable; default -1,8,1 with "
                              "--topology (fsdp half the chips on slices under 16), else 8,8,1 "
                              "and 8,4,2)")
+    parser.add_argument("--intra", default="slice",
+                        help="data replicas that reduce together (in comm.intra_codec) before "
+                             "the quantized reduction across the rest (mesh.intra_size): "
+                             "'slice' (default: the replicas of one slice when --slices > 1, "
+                             "so only the quantized bytes cross the data-centre network; flat "
+                             "on one slice), 1 (flat) or a number")
     parser.add_argument("--modes", default="fp32,fp8,gift_fp8,plumage_fp8",
                         help="comma-separated, of: fp32, fp8, gift_fp8, plumage_fp8")
     parser.add_argument("--refresh", action="store_true",
@@ -82,6 +88,18 @@ def _child_rows(argv, mesh: str, mode: str) -> tuple[list[dict], str | None]:
     if proc.returncode < 0:
         reason = f"killed by signal {-proc.returncode} ({reason})"
     return rows, reason[:300]
+
+
+def intra_size(intra: str, data: int, slices: int) -> int:
+    """``mesh.intra_size`` from ``--intra`` for ``data`` replicas on ``slices`` slices."""
+    if intra == "slice":
+        return data // slices if slices > 1 else 1
+    try:
+        return int(intra)
+    except ValueError:
+        from gift_jax.training.config import ConfigError
+
+        raise ConfigError(f"--intra={intra!r} must be 'slice' or an int") from None
 
 
 def main(argv=None) -> int:
@@ -139,7 +157,8 @@ def main(argv=None) -> int:
             meshes.append((sizes["data"], sizes["fsdp"], sizes["tensor"]))
             device_grid(meshes[-1], pod)  # one line if it does not fit the chips (or slices)
             for mode in modes:  # settings errors here, as one line, not as failed children
-                mode_config(config, mode, meshes[-1], len(pod))
+                mode_config(config, mode, meshes[-1], len(pod),
+                            intra_size(args.intra, meshes[-1][0], args.slices))
         rows, failed = [], []
         for mesh in meshes:
             for mode in modes:
@@ -150,9 +169,9 @@ def main(argv=None) -> int:
                         failed.append(f"{mode} on {'x'.join(map(str, mesh))}: {reason}")
                         print(f"error: {failed[-1]}", file=sys.stderr, flush=True)
                 else:
-                    got = [r.row() for r in compile_mode(config, mode, mesh, pod,
-                                                         refresh=args.refresh,
-                                                         topology=topology)]
+                    got = [r.row() for r in compile_mode(
+                        config, mode, mesh, pod, refresh=args.refresh, topology=topology,
+                        intra=intra_size(args.intra, mesh[0], args.slices))]
                 for row in got:
                     rows.append(row)
                     print(json.dumps(row), flush=True)

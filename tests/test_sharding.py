@@ -99,7 +99,8 @@ def test_optimizer_state_follows_its_parameter():
     ({"mesh.data": -1, "mesh.fsdp": -1}, "only one of mesh.data/fsdp/tensor may be -1"),
     ({"mesh.fsdp": 3}, "the fixed sizes (3) must divide the number of devices (8)"),
     ({"mesh.fsdp": 0}, "mesh.fsdp=0 must be a positive int or -1"),
-    ({"mesh.fsdp": 2, "mesh.intra_size": 2}, "cannot be combined with mesh.fsdp/mesh.tensor"),
+    ({"mesh.fsdp": 2, "mesh.intra_size": 3}, "mesh.intra_size=3 must divide the number of "
+                                              "data-parallel replicas (4)"),
     ({"mesh.fsdp": 2, "mesh.tensor": 2, "train.global_batch_size": 6},
      "must be divisible by the batch split mesh.data x mesh.fsdp = 4"),
 ])
@@ -216,16 +217,52 @@ def test_low_precision_replicas_stay_identical_on_a_sharded_mesh(mode, extra):
         trainer = Trainer(config, batches=synthetic_batches, compiler_options=FAST)
         trainer.run(6)
         losses[shape] = [h["loss"] for h in trainer.history if "loss" in h]
-        # every data replica holds bit-identical copies of each shard
-        for leaf in jax.tree.leaves(trainer.params):
-            by_index = {}
-            for s in leaf.addressable_shards:
-                by_index.setdefault(str(s.index), []).append(np.asarray(s.data))
-            for copies in by_index.values():
-                for c in copies[1:]:
-                    np.testing.assert_array_equal(c.view(np.uint8), copies[0].view(np.uint8))
+        _assert_replicas_identical(trainer.params)
         trainer.finish()
     np.testing.assert_allclose(losses[(2, 2, 2)], losses[(8, 1, 1)], atol=0.05)
+
+
+def _assert_replicas_identical(params):
+    """Every data replica holds bit-identical copies of each shard."""
+    for leaf in jax.tree.leaves(params):
+        by_index = {}
+        for s in leaf.addressable_shards:
+            by_index.setdefault(str(s.index), []).append(np.asarray(s.data))
+        for copies in by_index.values():
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c.view(np.uint8), copies[0].view(np.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fp32", "fp8", "gift_fp8", "plumage"])
+def test_hierarchical_reduction_on_a_sharded_mesh(mode):
+    """mesh ('data', 'intra', 'fsdp', 'tensor') = (2, 2, 2, 1), as two slices of two replicas:
+    each device's shard is summed over 'intra' in fp32 first, and only the quantized
+    reduction of half of it crosses 'data' (half the uint8 bytes of the flat reduction over
+    4 replicas); replicas stay bit-identical and the run is the data-parallel one."""
+    losses, across = {}, {}
+    for intra in (1, 2):
+        config = set_fields(on_mesh(small_config(mode, **{"train.log_every": 1}), (4, 2, 1)),
+                            {"mesh.intra_size": intra})
+        trainer = Trainer(config, batches=synthetic_batches, compiler_options=FAST)
+        assert trainer.program.mesh.axis_names == (("data", "intra", "fsdp", "tensor")
+                                                   if intra > 1 else ("data", "fsdp", "tensor"))
+        report = trainer.program.step.wire_report()
+        across[intra] = sum(op.wire_bytes for op in report.over("data").ops
+                            if "intra" not in op.axes)
+        if intra > 1 and mode != "fp32":
+            ops = [op for op in report.over("data").ops if op.buffer_bytes > 64
+                   and "intra" not in op.axes]
+            assert ops and all(set(op.dtypes) == {"u8"} for op in ops), report.table()
+        trainer.run(4)
+        losses[intra] = [h["loss"] for h in trainer.history if "loss" in h]
+        _assert_replicas_identical(trainer.params)
+        trainer.finish()
+    if mode == "fp32":
+        np.testing.assert_allclose(losses[2], losses[1], rtol=2e-5)
+    else:
+        np.testing.assert_allclose(losses[2], losses[1], atol=0.05)
+        assert across[2] < 0.6 * across[1], across
 
 
 @pytest.mark.slow

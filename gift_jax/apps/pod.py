@@ -169,6 +169,7 @@ class PodCompile:
     ici_bytes: float = 0.0  # per device and step, collectives inside a slice (multi-slice)
     overlap: Overlap | None = None
     expected_argument_bytes: int = 0  # (parameters + optimizer state) per device, ideal
+    intra: int = 1  # replicas reducing together first (mesh.intra_size); 1: flat
 
     @property
     def total_bytes(self) -> int:
@@ -178,6 +179,7 @@ class PodCompile:
         gib = lambda b: round(b / 2**30, 3)
         row = {"compiler": self.compiler, "topology": self.topology or "-", "mode": self.mode,
                "mesh": "x".join(map(str, self.mesh)),
+               "reduction": "flat" if self.intra == 1 else f"{self.intra} first",
                "variant": "refresh" if self.refresh else "ordinary",
                "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
                "total_GiB": gib(self.total_bytes)}
@@ -231,28 +233,31 @@ def dcn_bytes(hlo_text: str) -> float:
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
-                num_devices: int) -> ml_collections.ConfigDict:
+                num_devices: int, intra: int = 1) -> ml_collections.ConfigDict:
     """``config`` with the codec and method of ``mode`` (a key of :data:`MODES`) on a
-    ``(data, fsdp, tensor)`` mesh, validated for ``num_devices`` (raises ``ConfigError``)."""
+    ``(data, fsdp, tensor)`` mesh whose ``data`` replicas reduce in groups of ``intra`` first
+    (``mesh.intra_size``; 1: flat), validated for ``num_devices`` (raises ``ConfigError``)."""
     codec, method = MODES[mode]
     data, fsdp, tensor = mesh_shape
     config = set_fields(complete_config(config), {
         "comm.codec": codec, "comm.method": method, "mesh.data": data, "mesh.fsdp": fsdp,
-        "mesh.tensor": tensor})
+        "mesh.tensor": tensor, "mesh.intra_size": intra})
     validate_config(config, num_devices)
     return config
 
 
 def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
                  devices: Sequence[jax.Device] | None = None, *,
-                 refresh: bool = False, topology=None) -> list[PodCompile]:
+                 refresh: bool = False, topology=None, intra: int = 1) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
     ``refresh``: the refresh variant as well (GIFT/PLUMAGE). ``topology``: the
-    :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile)."""
+    :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile). ``intra``:
+    replicas that reduce together first (``mesh.intra_size``; the replicas of one slice
+    make only the quantized reduction cross the data-centre network)."""
     devices = jax.devices() if devices is None else list(devices)
     data, fsdp, tensor = mesh_shape
-    config = mode_config(config, mode, mesh_shape, len(devices))
+    config = mode_config(config, mode, mesh_shape, len(devices), intra)
     mesh = mesh_from_config(config.mesh, devices)
     program = Program(config, mesh)
     n_params = count_params(program.model_config)
@@ -274,7 +279,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         inside = report.within(model_axes(mesh)).total
         dcn = dcn_bytes(compiled.as_text()) if topology is not None else 0.0
         out.append(PodCompile(
-            mode=mode, mesh=(data, fsdp, tensor), refresh=variant, params=n_params,
+            mode=mode, mesh=(data, fsdp, tensor), intra=intra, refresh=variant, params=n_params,
             argument_bytes=int(memory.argument_size_in_bytes),
             temp_bytes=int(memory.temp_size_in_bytes),
             output_bytes=int(memory.output_size_in_bytes - memory.alias_size_in_bytes),

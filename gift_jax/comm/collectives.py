@@ -42,7 +42,13 @@ from gift_jax.comm.codecs import (
     roundtrip,
 )
 from gift_jax.comm.kernels import backend as qk
-from gift_jax.utils.axes import AxisName, all_gather_invariant, as_varying, axis_size
+from gift_jax.utils.axes import (
+    AxisName,
+    all_gather_invariant,
+    as_varying,
+    axis_size,
+    axis_tuple,
+)
 
 ACCUMULATE = ("fp32", "fp8")
 
@@ -409,10 +415,12 @@ def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
     buckets, codecs = spec.plan(tree)
     out = list(leaves)
     for i, (leaf, c) in enumerate(zip(leaves, codecs, strict=True)):
-        if c.is_exact:
-            red = jax.lax.psum(leaf, spec.axis_name)
-            if spec.intra_axis is not None:
-                red = jax.lax.psum(red, spec.intra_axis)
+        if c.is_exact:  # one psum over every data axis: XLA picks the hierarchy (in-slice
+            # reduce-scatter, across slices on the shard, all-gather); two psums in a row would
+            # send the whole leaf across the outer axis
+            axes = spec.axis_name if spec.intra_axis is None else (
+                axis_tuple(spec.axis_name) + axis_tuple(spec.intra_axis))
+            red = jax.lax.psum(leaf, axes)
             out[i] = red / spec.num_shards() if spec.mean else red
     keys = [None] * len(buckets) if key is None else list(jax.random.split(key, len(buckets)))
     new_res = []

@@ -146,8 +146,8 @@ def allreduce(
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")
-    if shards is not None and (intra_axis is not None or axis_name is None):
-        raise ValueError("shards (sharded leaves) needs an axis_name and no intra_axis")
+    if shards is not None and axis_name is None:
+        raise ValueError("shards (sharded leaves) needs an axis_name")
     if not isinstance(seed, int):
         raise TypeError(f"seed={seed!r} must be an int")
 

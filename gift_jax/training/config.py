@@ -66,7 +66,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "tensor": 1,  # attention heads and MLP hidden dimension split (Megatron)
         # logical axis -> mesh axis ('' = replicated), see gift_jax/training/sharding.py
         "rules": dict(DEFAULT_RULES),
-        "intra_size": 1,  # >1: hierarchical all-reduce; mesh ('data', 'intra') of this size
+        "intra_size": 1,  # >1: hierarchical all-reduce: 'data' split into ('data', 'intra')
     },
     "comm": {
         "intra_codec": "fp32",  # codec of the intra-node reduce-scatter (hierarchical only)
@@ -518,7 +518,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"communication, not to comm.codec={config.comm.codec!r}; keep it 'fp32'")
     batch, accum = config.train.global_batch_size, config.train.grad_accum_steps
     # the batch is split over data x fsdp (tensor-parallel devices share their rows)
-    splits = sizes["data"] * sizes["fsdp"] if intra == 1 else num_devices
+    splits = sizes["data"] * sizes["fsdp"]
     what = ("data-parallel size", f"{splits} (number of devices)") if splits == num_devices \
         else ("batch split", f"mesh.data x mesh.fsdp = {splits}")
     if batch % splits:

@@ -5,12 +5,14 @@ Three layouts:
 * pure data parallelism (the default): one axis ``'data'`` over every device; parameters
   replicated, batches split over it;
 * hierarchical (``mesh.intra_size > 1``): ``('data', 'intra')``, ``'intra'`` grouping
-  ``intra_size`` neighbouring devices (a node) that reduce in ``comm.intra_codec`` first;
-* sharded (``mesh.fsdp`` or ``mesh.tensor`` > 1): ``('data', 'fsdp', 'tensor')``. ``'data'``
-  (outermost, so it runs across processes/nodes) are the replicas that reduce through the
-  quantized collective; ``'fsdp'`` splits parameters, gradients, optimizer state and the batch
-  within a replica; ``'tensor'`` splits heads and the MLP hidden dimension. The model axes are
-  ``Auto`` (GSPMD partitions the model's compute); see :mod:`.sharding`.
+  ``intra_size`` neighbouring replicas (a node, a TPU slice) that reduce in
+  ``comm.intra_codec`` first; only the quantized reduction of their sum crosses ``'data'``;
+* sharded (``mesh.fsdp`` or ``mesh.tensor`` > 1): ``('data', 'fsdp', 'tensor')``, or
+  ``('data', 'intra', 'fsdp', 'tensor')`` when hierarchical as well. ``'data'`` (outermost,
+  so it runs across processes/nodes/slices) are the replicas that reduce through the quantized
+  collective; ``'fsdp'`` splits parameters, gradients, optimizer state and the batch within a
+  replica; ``'tensor'`` splits heads and the MLP hidden dimension. The model axes are ``Auto``
+  (GSPMD partitions the model's compute); see :mod:`.sharding`.
 
 Every layout is placed on the physical chips by :func:`device_grid` (torus axes on one TPU
 slice, ``data`` across slices or GPU nodes); simulated CPU devices keep their order.
@@ -117,9 +119,6 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
     if intra_size < 1 or sizes[DATA_AXIS] % intra_size:
         raise ValueError(f"mesh.intra_size={intra_size} must divide the number of data-parallel "
                          f"replicas ({sizes[DATA_AXIS]})")
-    if intra_size > 1 and (sizes[FSDP_AXIS] > 1 or sizes[TENSOR_AXIS] > 1):
-        raise ValueError(f"mesh.intra_size={intra_size} (hierarchical all-reduce) cannot be "
-                         "combined with mesh.fsdp/mesh.tensor > 1; keep mesh.intra_size=1")
     return sizes
 
 
@@ -226,26 +225,29 @@ def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
     except (NotImplementedError, AssertionError, ValueError) as e:
         fits = ", ".join("x".join(map(str, s)) for s in layouts(devices, len(shape)))
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        names = {1: "data", 2: "data x intra", 3: "data x fsdp x tensor",
+                 4: "data x intra x fsdp x tensor"}[len(shape)]
         raise MeshLayoutError(
-            f"mesh {'x'.join(map(str, shape))} (data x fsdp x tensor) cannot be laid out on "
+            f"mesh {'x'.join(map(str, shape))} ({names}) cannot be laid out on "
             f"{describe_topology(devices)} ({reason}); shapes that fit: {fits}") from None
 
 
 def make_mesh(intra_size: int = 1, devices=None, *, fsdp: int = 1, tensor: int = 1) -> Mesh:
     """The mesh over ``devices`` (default: all devices of all processes), data axis outermost:
     ``('data',)``, ``('data', 'intra')`` or, with ``fsdp``/``tensor`` > 1,
-    ``('data', 'fsdp', 'tensor')`` (see the module docstring), laid out on the physical
-    topology by :func:`device_grid`."""
+    ``('data', 'fsdp', 'tensor')`` or ``('data', 'intra', 'fsdp', 'tensor')`` (see the module
+    docstring), laid out on the physical topology by :func:`device_grid` (on several slices
+    ``'data'`` runs across them: with ``intra_size`` = the replicas of one slice, only the
+    quantized reduction leaves a slice)."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(len(devices), -1, fsdp, tensor, intra_size)
     n = sizes[DATA_AXIS]
+    data = ((n,), (DATA_AXIS,)) if intra_size == 1 else (
+        (n // intra_size, intra_size), (DATA_AXIS, INTRA_AXIS))
     if fsdp > 1 or tensor > 1:  # GSPMD partitions the model: Auto axes
-        shape, names, kind = (n, fsdp, tensor), (DATA_AXIS, *MODEL_AXES), AxisType.Auto
-    elif intra_size == 1:  # jax.make_mesh's default axis type
-        shape, names, kind = (n,), (DATA_AXIS,), AxisType.Explicit
-    else:
-        shape, names = (n // intra_size, intra_size), (DATA_AXIS, INTRA_AXIS)
-        kind = AxisType.Explicit
+        shape, names, kind = data[0] + (fsdp, tensor), data[1] + MODEL_AXES, AxisType.Auto
+    else:  # jax.make_mesh's default axis type
+        (shape, names), kind = data, AxisType.Explicit
     return Mesh(device_grid(shape, devices), names, axis_types=(kind,) * len(shape))
 
 
