@@ -252,3 +252,29 @@ def test_axis_none_is_identity():
     tree = {"a": jnp.arange(5.0)}
     out = jax.jit(lambda t: gj.quantized_psum(t, None))(tree)
     np.testing.assert_array_equal(np.asarray(out["a"]), np.arange(5.0))
+
+
+def test_permute_exchanges_equal_all_to_all_and_all_gather(mesh):
+    """The outer axis of the hierarchical reduction moves its bytes by shifted ppermutes
+    (what a multi-slice TPU job sends as is); they are the all_to_all and all_gather."""
+    from gift_jax.comm.collectives import exchange_chunks, gather_chunks
+
+    x = jax.random.randint(jax.random.key(7), (N, N, 5), 0, 256).astype(jnp.uint8)
+
+    def body(chunks):
+        chunks = chunks[0]
+        return jnp.stack([exchange_chunks(chunks, "data", True),
+                          exchange_chunks(chunks, "data", False),
+                          gather_chunks(chunks[0], "data", True),
+                          gather_chunks(chunks[0], "data", False)])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              check_vma=False))
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    out = np.asarray(f(x))
+    np.testing.assert_array_equal(out[:, 0], out[:, 1])
+    np.testing.assert_array_equal(out[:, 2], out[:, 3])
+    np.testing.assert_array_equal(out[3, 1, 5], np.asarray(x)[5, 3])  # row i from replica i
+    np.testing.assert_array_equal(out[3, 3, 5], np.asarray(x)[5, 0])
+    hlo = f.lower(x).as_text()
+    assert "collective_permute" in hlo or "collective-permute" in hlo

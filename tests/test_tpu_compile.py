@@ -128,15 +128,15 @@ def test_trainer_step_compiles_for_two_slices():
     assert row.overlap is not None and row.overlap.collectives > 0
     assert row.row()["compiler"] == "TPU"
     # reduced inside each slice first (mesh.intra_size = the 2 replicas of a slice), only the
-    # quantized reduction of half the shard crosses (measured: fp32 270 kB, flat fp8 165 kB,
-    # hierarchical fp8 110 kB per chip; the tiny model's small leaves pad rows and scales)
+    # quantized reduction of half the shard crosses, by ppermute (measured: fp32 270 kB, flat
+    # fp8 165 kB, hierarchical fp8 55 kB per chip)
     [fp32] = compile_mode(config, "fp32", (4, 8, 1), tpu.topology_devices(V5E_2X16),
                           topology=V5E_2X16)
     [hier] = compile_mode(config, "fp8", (4, 8, 1), tpu.topology_devices(V5E_2X16),
                           topology=V5E_2X16, intra=2)
     assert hier.row()["reduction"] == "2 first"
-    assert hier.dcn_bytes < 0.7 * row.dcn_bytes
-    assert hier.dcn_bytes < 0.45 * fp32.dcn_bytes
+    assert hier.dcn_bytes < 0.4 * row.dcn_bytes
+    assert hier.dcn_bytes < 0.25 * fp32.dcn_bytes
 
 
 def test_scanned_flash_step_compiles_with_the_flash_kernel():

@@ -48,6 +48,7 @@ from gift_jax.utils.axes import (
     as_varying,
     axis_size,
     axis_tuple,
+    vma_checked,
 )
 
 ACCUMULATE = ("fp32", "fp8")
@@ -112,6 +113,13 @@ class Collective:
         ring that rounds every partial sum to the wire format, like NCCL's fp8 reduction;
         requires a per-tensor fp8 codec and ``global_scale``).
       backend: ``"auto"``, ``"xla"`` or ``"pallas"`` for quantize / dequantize-accumulate.
+      permute: exchange the bytes by ``P − 1`` shifted ``ppermute``s instead of one
+        ``all_to_all`` / ``all_gather`` (the same ``(P−1)/P·S`` bytes by the bus model). For
+        the outer axis of the hierarchical reduction, which on a multi-slice TPU job crosses
+        the data-centre network: there the TPU compiler sends an ``all_to_all``'s whole
+        operand to the other slice (its own chunk included) and lowers the gather as an
+        all-reduce, twice the bytes; a ``ppermute`` is sent as it is (see
+        :func:`exchange_chunks`).
     """
 
     axis_name: AxisName | None
@@ -119,6 +127,7 @@ class Collective:
     global_scale: bool = False
     accumulate: str = "fp32"
     backend: str = "auto"
+    permute: bool = False
 
     def __post_init__(self):
         if self.accumulate not in ACCUMULATE:
@@ -134,6 +143,41 @@ class Collective:
             if not self.global_scale:
                 raise ValueError("accumulate='fp8' needs global_scale=True (shared scales)")
         qk.resolve_backend(self.backend)
+
+
+# ---- byte exchanges -------------------------------------------------------------------------
+
+
+def exchange_chunks(chunks: jax.Array, axis: AxisName, permute: bool) -> jax.Array:
+    """``chunks[j]`` (shape ``[P, ...]``) sent to replica ``j``; returns ``[P, ...]`` with
+    row ``i`` from replica ``i``: ``all_to_all``, or with ``permute`` one ``ppermute`` per
+    shift ``s = 1..P−1`` (replica ``r`` sends ``chunks[(r+s) % P]`` to ``(r+s) % P``)."""
+    if not permute:
+        return jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)
+    P = chunks.shape[0]
+    idx = jax.lax.axis_index(axis)
+    out = chunks  # row idx stays: my own chunk
+    for s in range(1, P):
+        sent = jax.lax.dynamic_index_in_dim(chunks, (idx + s) % P, keepdims=False)
+        got = jax.lax.ppermute(sent, axis, perm=[(r, (r + s) % P) for r in range(P)])
+        out = jax.lax.dynamic_update_index_in_dim(out, got, (idx - s) % P, 0)
+    return out
+
+
+def gather_chunks(chunk: jax.Array, axis: AxisName, permute: bool) -> jax.Array:
+    """Every replica's ``chunk`` stacked ``[P, ...]`` (row ``i`` from replica ``i``):
+    ``all_gather`` typed invariant, or with ``permute`` one ``ppermute`` per shift. A
+    ``ppermute``'s result is typed per replica, so under ``shard_map(check_vma=True)`` the
+    gather stays an ``all_gather`` (the stage's output must be typed replicated)."""
+    if not permute or vma_checked(axis):
+        return all_gather_invariant(chunk, axis)
+    P = axis_size(axis)
+    idx = jax.lax.axis_index(axis)
+    out = jnp.broadcast_to(chunk[None], (P, *chunk.shape))
+    for s in range(1, P):
+        got = jax.lax.ppermute(chunk, axis, perm=[(r, (r + s) % P) for r in range(P)])
+        out = jax.lax.dynamic_update_index_in_dim(out, got, (idx - s) % P, 0)
+    return out
 
 
 # ---- row-level collectives -----------------------------------------------------------------
@@ -170,7 +214,7 @@ def reduce_scatter_rows(
     if leaf_scale is not None:
         parts.append(jnp.broadcast_to(_to_bytes(leaf_scale[None]), (P, 4 * num_leaves)))
     wire = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-    recv = jax.lax.all_to_all(wire, axis, 0, 0, tiled=True)  # [P, chunk]: one per sender
+    recv = exchange_chunks(wire, axis, col.permute)  # [P, chunk]: one per sender
 
     off = rs * codec.row_bytes
     r_payload = recv[:, :off].reshape(P, rs, codec.row_bytes)
@@ -240,7 +284,7 @@ def all_gather_rows(
     if leaf_scale is not None:
         parts.append(_to_bytes(leaf_scale))
     wire = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    gathered = all_gather_invariant(wire, axis)  # [P, chunk]
+    gathered = gather_chunks(wire, axis, col.permute)  # [P, chunk]
 
     off = rs * codec.row_bytes
     g_payload = gathered[:, :off].reshape(P * rs, codec.row_bytes)
@@ -321,8 +365,11 @@ class AllReduceSpec:
             raise ValueError("intra_axis needs an axis_name to reduce across as well")
 
     def collective(self, codec: Codec, axis) -> Collective:
+        """The collective of ``codec`` over ``axis``; the outer axis of a hierarchical
+        reduction exchanges by ``ppermute`` (see :class:`Collective`)."""
         return Collective(axis, codec, self.global_scale and not codec.is_exact,
-                          self.accumulate if not codec.is_exact else "fp32", self.backend)
+                          self.accumulate if not codec.is_exact else "fp32", self.backend,
+                          permute=self.intra_axis is not None and axis == self.axis_name)
 
     def num_shards(self) -> int:
         n = axis_size(self.axis_name)
