@@ -92,6 +92,12 @@ def test_optimizer_state_follows_its_parameter():
     gift_key = (jax.tree_util.DictKey("layers/0/mlp/up_proj/kernel"),)  # GIFT's dict keys
     assert layout.spec_at(gift_key, (1, 64, 8)) == P(None, "fsdp", None)
     assert layout.spec_at((jax.tree_util.GetAttrKey("count"),), ()) is None
+    # GIFT's statistics A = E[xxᵀ] (n = 64 on fsdp): split over tensor as well, where it divides
+    stats = (jax.tree_util.GetAttrKey("stats"), *gift_key)
+    assert layout.spec_at(stats, (1, 64, 64)) == P(None, "fsdp", "tensor")
+    assert layout.spec_at(stats, (1, 64, 63)) == P(None, "fsdp", None)  # nothing divides
+    assert layout.spec_at((jax.tree_util.GetAttrKey("basis"), *gift_key), (1, 64, 8)) == P(
+        None, "fsdp", None)  # everything else of GIFT's as before
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -133,8 +139,8 @@ def test_bad_sharding_is_one_line_error_naming_the_parameter(model, mesh, rules,
 @pytest.mark.parametrize("name, method, fsdp, tensor, bound", [
     ("tiny", "none", 2, 2, 1.1), ("tiny", "none", 8, 1, 1.1), ("llama_60m", "none", 4, 2, 1.1),
     # PLUMAGE's projectors (N, k) are split over N's axis only (see like_parameter); GIFT's
-    # input statistics A (n, n) of down_proj over the axis of n only (larger than the layer)
-    ("llama_60m", "plumage", 4, 2, 1.25), ("tiny", "gift", 2, 2, 1.2)])
+    # input statistics A (n, n) over every model axis (sharding.spread)
+    ("llama_60m", "plumage", 4, 2, 1.25), ("tiny", "gift", 2, 2, 1.1), ("tiny", "gift", 4, 1, 1.1)])
 def test_per_device_state_is_a_shard_of_the_replicated_state(name, method, fsdp, tensor, bound):
     """Parameters + optimizer state per device ≤ bound × replicated / (fsdp·tensor), read from
     the shardings of the abstract state (nothing is allocated)."""

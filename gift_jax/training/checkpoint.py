@@ -162,6 +162,8 @@ class Checkpointer:
         while target.exists():
             k += 1
             target = source.with_name(f"{step}.damaged{k}")
+        if jax.process_count() > 1:  # every process has named the target before it exists
+            multihost_utils.sync_global_devices(f"gift_jax name aside checkpoint {step}")
         if jax.process_index() == 0:
             source.rename(target)
         if jax.process_count() > 1:
