@@ -171,13 +171,9 @@ def gather_chunks(chunk: jax.Array, axis: AxisName, permute: bool) -> jax.Array:
     gather stays an ``all_gather`` (the stage's output must be typed replicated)."""
     if not permute or vma_checked(axis):
         return all_gather_invariant(chunk, axis)
-    P = axis_size(axis)
-    idx = jax.lax.axis_index(axis)
-    out = jnp.broadcast_to(chunk[None], (P, *chunk.shape))
-    for s in range(1, P):
-        got = jax.lax.ppermute(chunk, axis, perm=[(r, (r + s) % P) for r in range(P)])
-        out = jax.lax.dynamic_update_index_in_dim(out, got, (idx - s) % P, 0)
-    return out
+    # a gather is the exchange in which every replica sends everyone the same chunk
+    return exchange_chunks(jnp.broadcast_to(chunk[None], (axis_size(axis), *chunk.shape)),
+                           axis, permute=True)
 
 
 # ---- row-level collectives -----------------------------------------------------------------
@@ -371,6 +367,13 @@ class AllReduceSpec:
                           self.accumulate if not codec.is_exact else "fp32", self.backend,
                           permute=self.intra_axis is not None and axis == self.axis_name)
 
+    @property
+    def reduced_axes(self) -> AxisName | None:
+        """Every axis the reduction sums over: ``axis_name``, then ``intra_axis``."""
+        if self.axis_name is None or self.intra_axis is None:
+            return self.axis_name
+        return axis_tuple(self.axis_name) + axis_tuple(self.intra_axis)
+
     def num_shards(self) -> int:
         n = axis_size(self.axis_name)
         if self.intra_axis is not None:
@@ -465,9 +468,7 @@ def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
         if c.is_exact:  # one psum over every data axis: XLA picks the hierarchy (in-slice
             # reduce-scatter, across slices on the shard, all-gather); two psums in a row would
             # send the whole leaf across the outer axis
-            axes = spec.axis_name if spec.intra_axis is None else (
-                axis_tuple(spec.axis_name) + axis_tuple(spec.intra_axis))
-            red = jax.lax.psum(leaf, axes)
+            red = jax.lax.psum(leaf, spec.reduced_axes)
             out[i] = red / spec.num_shards() if spec.mean else red
     keys = [None] * len(buckets) if key is None else list(jax.random.split(key, len(buckets)))
     new_res = []

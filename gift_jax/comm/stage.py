@@ -38,7 +38,7 @@ from gift_jax.comm.collectives import (
     reframe_residuals,
     resolve_codecs,
 )
-from gift_jax.utils.axes import axis_tuple, require_per_device
+from gift_jax.utils.axes import require_per_device
 from gift_jax.utils.tree_paths import leaf_path
 
 
@@ -174,7 +174,7 @@ def allreduce(
 
     def update_fn(updates, state, params=None):
         del params
-        require_per_device(updates, _reduced_axes(spec), "gift_jax.allreduce")
+        require_per_device(updates, spec.reduced_axes, "gift_jax.allreduce")
         key, sub = (None, None)
         if state.key is not None:
             key, sub = jax.random.split(state.key)
@@ -307,13 +307,7 @@ def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
     """The axis (or tuple of axes, hierarchical included) an :func:`allreduce` stage reduces
     over, or ``None`` for any other transformation."""
     spec = allreduce_spec(stage)
-    return None if spec is None else _reduced_axes(spec)
-
-
-def _reduced_axes(spec: AllReduceSpec) -> AxisName | None:
-    if spec.axis_name is None or spec.intra_axis is None:
-        return spec.axis_name
-    return axis_tuple(spec.axis_name) + axis_tuple(spec.intra_axis)
+    return None if spec is None else spec.reduced_axes
 
 
 def matrices_only(codec: str = "fp8_e4m3", other: str = "fp32"):

@@ -643,23 +643,22 @@ def extend_schedule(stored_json: str, config: ml_collections.ConfigDict) -> Exte
     old_length = int(stored.get("optimizer.schedule_steps", 0) or old_steps)
     new_steps = int(config.train.num_steps)
     config = copy.deepcopy(config)
-    if config.optimizer.schedule_steps or (new_steps == old_steps
-                                           and old_length == new_steps):
+    if config.optimizer.schedule_steps or old_length == new_steps == old_steps:
         return Extension(config, None, old_length)
+    keep = new_steps == old_steps or config.train.extend_schedule == "keep"
     with config.unlocked():
-        if new_steps == old_steps or config.train.extend_schedule == "keep":
-            config.optimizer.schedule_steps = old_length
-            if new_steps == old_steps:
-                return Extension(config, None, old_length)
-            return Extension(config, (
-                f"train.num_steps: {old_steps} (checkpoint) -> {new_steps}: the learning-rate "
-                f"schedule keeps its {old_length}-step length (train.extend_schedule=keep); "
-                "past it the rate stays at its final value"), old_length)
-        config.optimizer.schedule_steps = 0
-    return Extension(config, (
-        f"train.num_steps: {old_steps} (checkpoint) -> {new_steps}: the learning-rate schedule "
-        f"is stretched from {old_length} to {new_steps} steps (train.extend_schedule=stretch), "
-        "so the learning rate jumps where the run resumes"), old_length)
+        config.optimizer.schedule_steps = old_length if keep else 0
+    change = f"train.num_steps: {old_steps} (checkpoint) -> {new_steps}: the learning-rate"
+    if new_steps == old_steps:  # an earlier extension's kept length, recorded
+        message = None
+    elif keep:
+        message = (f"{change} schedule keeps its {old_length}-step length "
+                   "(train.extend_schedule=keep); past it the rate stays at its final value")
+    else:
+        message = (f"{change} schedule is stretched from {old_length} to {new_steps} steps "
+                   "(train.extend_schedule=stretch), so the learning rate jumps where the run "
+                   "resumes")
+    return Extension(config, message, old_length)
 
 
 def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> list[str]:
