@@ -119,6 +119,9 @@ def get_config() -> ml_collections.ConfigDict:
     gift.refresh_threshold = 0.975
     gift.min_refresh_every = 5
     gift.max_refresh_every = 200
+    # top-r eigenpairs of A on refreshes: "eigh" (exact, O(n³)) | "subspace" (randomized
+    # subspace iteration warm-started from the last basis, O(n²r))
+    gift.eig_method = "eigh"
 
     # ------------------------------------------------------------------ PLUMAGE low-rank gradients
     plumage = config.plumage = ml_collections.ConfigDict()

@@ -53,7 +53,9 @@ def parse_args(argv=None):
                         help="also compile the GIFT/PLUMAGE refresh variants")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="config override, e.g. mesh.rules.mlp= or model.num_layers=2")
-    parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.md")
+    parser.add_argument("--out", default=None,
+                        help="directory for NAME.json and NAME.md (rows of the same topology, "
+                        "mode, mesh, reduction and variant are replaced, others kept)")
     parser.add_argument("--in_process", action="store_true",
                         help="with --topology: compile every (mesh, mode) in this process "
                              "instead of one child process each")
@@ -188,9 +190,23 @@ def main(argv=None) -> int:
         name = pathlib.Path(args.config).stem
         if topology is not None:
             name += "_" + topology.label.replace(" ", "")
+        rows = merge_rows(out / f"{name}.json", rows)
         (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
-        (out / f"{name}.md").write_text(table + "\n")
+        (out / f"{name}.md").write_text(markdown_table(rows) + "\n")
     return 3 if failed else 0
+
+
+#: What identifies a row of a table in --out: a later compile of the same key replaces it.
+ROW_KEY = ("compiler", "topology", "mode", "mesh", "reduction", "variant")
+
+
+def merge_rows(path: pathlib.Path, rows: list[dict]) -> list[dict]:
+    """The rows already in ``path`` (if any) with those of ``rows`` replacing the ones of the
+    same :data:`ROW_KEY` in place, and new ones appended: a table is rewritten row by row."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    fresh = {tuple(r.get(k) for k in ROW_KEY): r for r in rows}
+    merged = [fresh.pop(tuple(r.get(k) for k in ROW_KEY), r) for r in old]
+    return merged + list(fresh.values())
 
 
 if __name__ == "__main__":

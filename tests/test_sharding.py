@@ -95,9 +95,24 @@ def test_optimizer_state_follows_its_parameter():
     # GIFT's statistics A = E[xxᵀ] (n = 64 on fsdp): split over tensor as well, where it divides
     stats = (jax.tree_util.GetAttrKey("stats"), *gift_key)
     assert layout.spec_at(stats, (1, 64, 64)) == P(None, "fsdp", "tensor")
-    assert layout.spec_at(stats, (1, 64, 63)) == P(None, "fsdp", None)  # nothing divides
+    # no unsplit dimension divides: stacked on one that is split, where the product divides
+    assert layout.spec_at(stats, (1, 64, 63)) == P(None, ("fsdp", "tensor"), None)
+    assert layout.spec_at(stats, (1, 62, 63)) == P(None, "fsdp", None)  # nothing divides
     assert layout.spec_at((jax.tree_util.GetAttrKey("basis"), *gift_key), (1, 64, 8)) == P(
         None, "fsdp", None)  # everything else of GIFT's as before
+    # PLUMAGE's projector (batch, M, k) of up_proj (M = 128 on tensor) is split over fsdp as
+    # well, on M or the layer axis, never on the rank k
+    leaves = (jax.tree_util.GetAttrKey("leaves"), *key)  # PlumageState.leaves
+    projector = (*leaves, jax.tree_util.GetAttrKey("projector"))
+    assert layout.spec_at(projector, (1, 128, 8)) == P(None, ("tensor", "fsdp"), None)
+    assert layout.spec_at(projector, (4, 128, 8)) == P("fsdp", "tensor", None)
+    assert layout.spec_at(projector, (1, 128, 6)) == P(None, ("tensor", "fsdp"), None)
+    on_fsdp = ParamLayout.of(cfg, {"data": 4, "fsdp": 2, "tensor": 1})
+    assert on_fsdp.spec_at(projector, (1, 128, 8)) == P(None, "fsdp", None)  # was replicated
+    assert on_fsdp.spec_at(projector, (3, 128, 8)) == P(None, "fsdp", None)
+    # its moments (batch, k, N) too (N = 64 on fsdp here: over tensor as well)
+    assert layout.spec_at((*leaves, jax.tree_util.GetAttrKey("mu")), (1, 8, 64)) == P(
+        None, None, ("fsdp", "tensor"))
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -138,9 +153,10 @@ def test_bad_sharding_is_one_line_error_naming_the_parameter(model, mesh, rules,
 
 @pytest.mark.parametrize("name, method, fsdp, tensor, bound", [
     ("tiny", "none", 2, 2, 1.1), ("tiny", "none", 8, 1, 1.1), ("llama_60m", "none", 4, 2, 1.1),
-    # PLUMAGE's projectors (N, k) are split over N's axis only (see like_parameter); GIFT's
-    # input statistics A (n, n) over every model axis (sharding.spread)
-    ("llama_60m", "plumage", 4, 2, 1.25), ("tiny", "gift", 2, 2, 1.1), ("tiny", "gift", 4, 1, 1.1)])
+    # PLUMAGE's projectors (M, k) and GIFT's input statistics A (n, n) are split over every
+    # model axis (sharding.spread)
+    ("llama_60m", "plumage", 4, 2, 1.1), ("tiny", "plumage", 4, 1, 1.1),
+    ("tiny", "gift", 2, 2, 1.1), ("tiny", "gift", 4, 1, 1.1)])
 def test_per_device_state_is_a_shard_of_the_replicated_state(name, method, fsdp, tensor, bound):
     """Parameters + optimizer state per device ≤ bound × replicated / (fsdp·tensor), read from
     the shardings of the abstract state (nothing is allocated)."""

@@ -124,6 +124,7 @@ SMOKE = {
     "bf16_hier_muon": ("bf16", "muon", {"mesh.intra_size": 2}),
     "gift_fp8_ef": ("gift_fp8", "adamw", {"comm.error_feedback": True,
                                           "comm.stochastic_rounding": True}),
+    "gift_fp8_subspace": ("gift_fp8", "adamw", {"gift.eig_method": "subspace"}),
     "plumage": ("plumage", "adamw", {}),
 }
 
@@ -289,7 +290,9 @@ def test_crash_resumes_from_last_checkpoint_and_config_mismatch(tmp_path):
      ({"comm.codec": "fp6"}, r"comm\.codec='fp6' is not supported; allowed: fp32, bf16, "
                              r"fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"),
      ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),
-     ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide")],
+     ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide"),
+     ({"comm.method": "gift", "gift.eig_method": "qr"},
+      r"gift\.eig_method='qr' is not supported; allowed: eigh, subspace")],
 )
 def test_bad_settings_name_the_setting(overrides, match):
     with pytest.raises(ConfigError, match=match):

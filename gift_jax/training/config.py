@@ -33,6 +33,7 @@ from gift_jax.comm.codecs import CODEC_NAMES
 from gift_jax.models import LlamaConfig
 from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
 from gift_jax.utils.tree_paths import unmatched
+from gift_jax.whitening.factors import EIG_METHODS
 
 #: ``comm.codec`` values (the all-reduce's wire format).
 CODECS = CODEC_NAMES
@@ -56,6 +57,8 @@ GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
 #: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
 GIFT_ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon", "optimizer")
 GIFT_REFRESH_RULES = ("fixed", "adaptive")
+#: ``gift.eig_method`` values (:func:`gift_jax.whitening.factors.top_eigenpairs`).
+GIFT_EIG_METHODS = EIG_METHODS
 MUON_SCALE_MODES = ("spectral", "shape")
 
 #: Settings the trainer adds when a config file does not define them.
@@ -93,6 +96,9 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         "refresh_threshold": 0.975,  # adaptive: input coverage / its value at the last refresh
         "min_refresh_every": 5,  # adaptive: fewest steps between refreshes
         "max_refresh_every": 200,  # adaptive: most steps between refreshes
+        # top-r eigenpairs of A on refreshes: "eigh" (exact, O(n³)) | "subspace" (randomized
+        # subspace iteration warm-started from the last basis, O(n²r): the pod configs')
+        "eig_method": "eigh",
     },
     "plumage": {
         "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
@@ -390,9 +396,10 @@ def _validate_model(config) -> None:
 
 
 def _validate_gift_numbers(config) -> None:
-    """GIFT's remainder, rank, damping (> 0: the floor of the factor's remainder) and EMA
-    decay (in ``[0, 1)``)."""
+    """GIFT's remainder, eigensolver, rank, damping (> 0: the floor of the factor's remainder)
+    and EMA decay (in ``[0, 1)``)."""
     _choice(config, "gift.remainder", tuple(GIFT_REMAINDERS))
+    _choice(config, "gift.eig_method", GIFT_EIG_METHODS)
     _positive_int(config, "gift.rank")
     _number(config, "gift.damping", low=0, low_open=True)
     _number(config, "gift.ema", low=0, high=1, high_open=True)

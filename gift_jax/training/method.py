@@ -209,6 +209,7 @@ class GiftPlan(CommPlan):
             rank=g.rank,
             factor=GIFT_REMAINDERS[g.remainder],
             damping=g.damping,
+            eig_method=g.eig_method,
             ema=g.ema,
             axis_name=axes if len(axes) > 1 else axes[0],
             two_sided=self.gift_two_sided,

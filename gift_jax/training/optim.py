@@ -232,6 +232,7 @@ def projected_gift(config, stage, axes, route_frame: str = "off"
         rank=g.rank,
         factor=GIFT_REMAINDERS[g.remainder],
         damping=g.damping,
+        eig_method=g.eig_method,
         ema=g.ema,
         axis_name=axes if len(axes) > 1 else axes[0],
         distribute_refresh=config.comm.distribute_refresh,

@@ -20,10 +20,11 @@ logical     default rule   dimension
 
 Optimizer state follows its parameter (:func:`state_specs`): a state leaf under a parameter's
 path is split like that parameter in every dimension it shares with it (trailing dimensions
-aligned), so Adam/Muon moments are sharded exactly like their parameters, PLUMAGE's projected
-moments ``(k, N)`` and projectors ``(n, k)`` keep the split of ``N`` / ``n`` and replicate the
-rank ``k``, GIFT's factors ``(n, r)`` keep the split of ``n``; scalars, counters and PRNG keys
-are replicated; error-feedback buffers are per device over every axis.
+aligned), so Adam/Muon moments are sharded exactly like their parameters and GIFT's factors
+``(n, r)`` keep the split of ``n``; GIFT's statistics and PLUMAGE's projectors and projected
+moments are also split over the model axes their parameter leaves unused (:func:`spread`),
+never on a rank ``k``; scalars, counters and PRNG keys are replicated; error-feedback buffers
+are per device over every axis.
 """
 
 from __future__ import annotations
@@ -144,22 +145,36 @@ def _tokens(path) -> tuple[str, ...]:
 #: so they are split over every model axis their dimensions divide (see :func:`spread`).
 STATISTICS_FIELDS = ("stats", "out_stats")
 
+#: PLUMAGE's per-parameter states (``PlumageState.leaves``): projectors ``(batch, M, k)`` and
+#: moments ``(batch, k, N)`` are split over the model axes their parameter's split leaves
+#: unused as well (:func:`spread`), a projector never on its rank ``k`` (see
+#: :func:`like_parameter`); on Llama-7B the replicated ``(11008, 1024)`` MLP projectors alone
+#: were 4.0 GiB per chip.
+LOWRANK_FIELDS = ("leaves",)
+#: The rank dimension of a projected PLUMAGE leaf's state fields (``LeafState``), never split.
+RANK_DIMENSION = {"projector": -1, "mu": -2, "nu": -2, "probs": -1, "mu_mass": -1,
+                  "nu_mass": -1}
 
-def spread(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int]) -> P:
-    """``spec`` with every model axis it leaves unused assigned to the last dimension that
-    is unsplit and divisible by the axis's size (so an ``(n, n)`` statistic of a layer whose
-    ``n`` is on ``tensor`` is split over ``fsdp`` as well); dimensions already split keep
-    their axis."""
-    out = list(spec) + [None] * (len(shape) - len(spec))
+
+def spread(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int],
+           exclude: tuple[int, ...] = ()) -> P:
+    """``spec`` with every model axis it leaves unused assigned to a dimension it divides:
+    the last unsplit one (so an ``(n, n)`` statistic of a layer whose ``n`` is on ``tensor``
+    is split over ``fsdp`` as well), else the last split one whose size the product of its
+    axes divides (``('tensor', 'fsdp')``). Dimensions keep the axes they had; those in
+    ``exclude`` (e.g. a projector's rank) take none."""
+    out = [(e,) if isinstance(e, str) else tuple(e or ())
+           for e in list(spec) + [None] * (len(shape) - len(spec))]
+    excluded = {d % len(shape) for d in exclude}
+    dims = [k for k in range(len(shape) - 1, -1, -1) if k not in excluded]
+    size = lambda names: math.prod(mesh_shape.get(a, 1) for a in names)
     for axis in MODEL_AXES:
-        size = mesh_shape.get(axis, 1)
-        if size == 1 or axis in out:
+        if mesh_shape.get(axis, 1) == 1 or any(axis in e for e in out):
             continue
-        for k in range(len(shape) - 1, -1, -1):
-            if out[k] is None and shape[k] % size == 0:
-                out[k] = axis
-                break
-    return P(*out)
+        fits = [k for k in dims if shape[k] % size((*out[k], axis)) == 0]
+        for k in sorted(fits, key=lambda k: bool(out[k]))[:1]:  # unsplit first, stable
+            out[k] = (*out[k], axis)
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in out))
 
 
 class ParamLayout:
@@ -182,16 +197,23 @@ class ParamLayout:
     def spec_at(self, path, shape: tuple[int, ...]) -> P | None:
         """The spec of an array of ``shape`` at key ``path``: :func:`like_parameter` of the
         last parameter path in it, or ``None`` when no parameter's path is in it. GIFT's
-        statistics (under a :data:`STATISTICS_FIELDS` field) are :func:`spread` over the
-        model axes as well: replicated over ``fsdp`` they were 15.5 GB per chip on Llama-7B."""
+        statistics (under a :data:`STATISTICS_FIELDS` field) and PLUMAGE's per-parameter
+        states (:data:`LOWRANK_FIELDS`) are :func:`spread` over the model axes as well:
+        replicated over ``fsdp`` they were 15.5 GB (GIFT) and 4.3 GB (PLUMAGE) per chip on
+        Llama-7B."""
         tokens = _tokens(path)
         for end in range(len(tokens), 0, -1):
             for start in range(max(0, end - self._longest), end):
                 hit = self._by_tokens.get(tokens[start:end])
                 if hit is not None:
                     spec = like_parameter(hit[1], hit[0], tuple(shape))
-                    if start and tokens[start - 1] in STATISTICS_FIELDS:
+                    field = tokens[start - 1] if start else None
+                    if field in STATISTICS_FIELDS:
                         spec = spread(spec, tuple(shape), self._mesh_shape)
+                    elif field in LOWRANK_FIELDS and tuple(shape) != hit[0]:
+                        name = tokens[end] if end < len(tokens) else ""
+                        rank = (RANK_DIMENSION[name],) if name in RANK_DIMENSION else ()
+                        spec = spread(spec, tuple(shape), self._mesh_shape, rank)
                     return spec
         return None
 

@@ -95,7 +95,7 @@ FACTOR_KINDS = (
 )
 _SQRTS = ("cholesky", "symmetric")
 _DAMPING_MODES = ("relative", "absolute")
-_EIG_METHODS = ("eigh", "subspace")
+EIG_METHODS = ("eigh", "subspace")
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,8 +341,8 @@ def top_eigenpairs(
     iters: int = 2,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-``rank`` eigenpairs (U (n×r), λ (r,), descending) of the symmetric A (n×n)."""
-    if method not in _EIG_METHODS:
-        raise ValueError(f"eig_method must be one of {_EIG_METHODS}, got {method!r}")
+    if method not in EIG_METHODS:
+        raise ValueError(f"eig_method must be one of {EIG_METHODS}, got {method!r}")
     a = _sym(a)
     if method == "eigh":
         lam, u = jnp.linalg.eigh(a)
