@@ -139,5 +139,9 @@ def get_config() -> ml_collections.ConfigDict:
     # "spm:N" / "bpe:N" (trained on the train split); model.vocab_size = N padded to 128
     data.tokenizer = "byte"
     data.shuffle_seed = 0  # seed of the example order
+    # "grid": windows of the split's whole token stream (one pass over it before step 1) |
+    # "stream": documents read, tokenized and packed as training consumes them (grain workers)
+    data.pipeline = "grid"
+    data.workers = -1  # stream: worker processes that read and tokenize (-1: the host's cores)
 
     return config

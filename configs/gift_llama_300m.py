@@ -44,6 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.muon_extra_scale_factor = 0.2  # artifact setting
 
     config.data.tokenizer = "bpe:50257"  # GPT-2-sized BPE trained on the train split
+    # documents tokenized in worker processes as training consumes them: no pass over C4
+    config.data.pipeline = "stream"
 
     config.train.global_batch_size = 512  # sequences per step
     config.train.seq_len = 4096  # tokens per sequence (2.1M tokens per step)

@@ -40,6 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.grad_clip_norm = 0.0  # GaLore scripts do not clip below 7B
 
     config.data.tokenizer = "spm:32000"  # SentencePiece trained on the train split
+    # documents tokenized in worker processes as training consumes them: no pass over C4
+    config.data.pipeline = "stream"
 
     config.train.global_batch_size = 512  # sequences per step
     config.train.seq_len = 256  # tokens per sequence (131k tokens per step)

@@ -291,6 +291,9 @@ def test_crash_resumes_from_last_checkpoint_and_config_mismatch(tmp_path):
                              r"fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"),
      ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),
      ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide"),
+     ({"data.pipeline": "tfdata"}, r"data\.pipeline='tfdata' is not supported; allowed: "
+                                   r"grid, stream"),
+     ({"data.workers": -2}, r"data\.workers=-2 must be an int >= -1 \(-1: the host's cores"),
      ({"comm.method": "gift", "gift.eig_method": "qr"},
       r"gift\.eig_method='qr' is not supported; allowed: eigh, subspace")],
 )

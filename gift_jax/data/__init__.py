@@ -10,6 +10,7 @@ train split); ``batch_iterator`` turns it into deterministic, resumable, per-pro
 from gift_jax.data.errors import DataError
 from gift_jax.data.pipeline import batch_iterator
 from gift_jax.data.source import TokenSource, get_source
+from gift_jax.data.stream import stream_batches
 from gift_jax.data.tokenized import TokenizedSource
 from gift_jax.data.tokenizer import (
     SEPARATOR,
@@ -36,6 +37,7 @@ __all__ = [
     "batch_iterator",
     "get_source",
     "get_tokenizer",
+    "stream_batches",
     "padded_vocab_size",
     "vocab_mismatch",
 ]

@@ -105,7 +105,7 @@ class TokenSource:
         """The UTF-8 text of documents ``[start, stop)`` of ``split``, in record order."""
         records = self._records(split)
         stop = len(records) if stop is None else min(stop, len(records))
-        return self._fetch(records, range(start, stop))
+        return self.reader(split).get(range(start, stop))
 
     def read(self, split: str, starts, length: int) -> np.ndarray:
         """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start."""
@@ -127,31 +127,11 @@ class TokenSource:
             )
         return self._splits[split]
 
-    def _doc_bytes(self, record) -> bytes:
-        if self._record_format == "tf_example":
-            from tensorflow_datasets.proto import tf_example_pb2
-
-            record = dict(tf_example_pb2.Example.FromString(record).features.feature)
-            if self.text_field in record:
-                return b"".join(record[self.text_field].bytes_list.value[:1])
-        if isinstance(record, Mapping):
-            if self.text_field not in record:
-                raise DataError(
-                    f"text field {self.text_field!r} is not in the records of {self.name}; "
-                    f"available fields: {sorted(record)}"
-                )
-            record = record[self.text_field]
-        if isinstance(record, np.ndarray):
-            record = record.item()
-        return record.encode("utf-8") if isinstance(record, str) else bytes(record)
-
-    def _fetch(self, records: Sequence, indices) -> list[bytes]:
-        indices = [int(i) for i in indices]
-        if hasattr(records, "__getitems__"):
-            fetched = records.__getitems__(indices)
-        else:
-            fetched = [records[i] for i in indices]
-        return [self._doc_bytes(r) for r in fetched]
+    def reader(self, split: str) -> DocumentReader:
+        """Random access to the documents of ``split`` (picklable: what data worker processes
+        read from; nothing is read until it is indexed)."""
+        return DocumentReader(self._records(split), self._record_format, self.text_field,
+                              f"{self.name}/{split}")
 
     def _index(self, split: str) -> np.ndarray:
         if split in self._offsets:
@@ -170,7 +150,7 @@ class TokenSource:
         chunks: list[bytes] | None = []
         total = 0
         for lo in range(0, n, _CHUNK):
-            docs = self._fetch(records, range(lo, min(n, lo + _CHUNK)))
+            docs = self.reader(split).get(range(lo, min(n, lo + _CHUNK)))
             lengths[lo : lo + len(docs)] = [len(d) + 1 for d in docs]
             total += int(lengths[lo : lo + len(docs)].sum())
             if chunks is not None and total <= self._materialize_bytes:
@@ -205,7 +185,7 @@ class TokenSource:
         needed = np.unique(
             np.concatenate([np.arange(a, b + 1) for a, b in zip(first, last, strict=True)])
         )
-        docs = dict(zip(needed.tolist(), self._fetch(self._records(split), needed), strict=True))
+        docs = dict(zip(needed.tolist(), self.reader(split).get(needed), strict=True))
         out = np.empty((starts.size, length), dtype=np.int32)
         sep = bytes([SEPARATOR])
         for row, (s, a, b) in enumerate(zip(starts, first, last, strict=True)):
@@ -213,6 +193,47 @@ class TokenSource:
             lo = int(s - offsets[a])
             out[row] = np.frombuffer(buf[lo : lo + length], dtype=np.uint8)
         return out
+
+
+def doc_bytes(record, record_format: str, text_field: str, name: str) -> bytes:
+    """The UTF-8 text of one record: a ``str``/``bytes`` document, a mapping holding one under
+    ``text_field``, or (``record_format="tf_example"``) serialized ``tf.train.Example`` bytes."""
+    if record_format == "tf_example":
+        from tensorflow_datasets.proto import tf_example_pb2
+
+        record = dict(tf_example_pb2.Example.FromString(record).features.feature)
+        if text_field in record:
+            return b"".join(record[text_field].bytes_list.value[:1])
+    if isinstance(record, Mapping):
+        if text_field not in record:
+            raise DataError(f"text field {text_field!r} is not in the records of {name}; "
+                            f"available fields: {sorted(record)}")
+        record = record[text_field]
+    if isinstance(record, np.ndarray):
+        record = record.item()
+    return record.encode("utf-8") if isinstance(record, str) else bytes(record)
+
+
+class DocumentReader:
+    """The documents of one split by index: ``reader[i]`` is the UTF-8 text of record ``i``,
+    ``reader.get(indices)`` several at once (one batched read of the records)."""
+
+    def __init__(self, records: Sequence, record_format: str, text_field: str, name: str):
+        self.records, self.name = records, name
+        self._format, self._field = record_format, text_field
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> bytes:
+        return self.get([index])[0]
+
+    def get(self, indices) -> list[bytes]:
+        indices = [int(i) for i in indices]
+        records = self.records
+        fetched = (records.__getitems__(indices) if hasattr(records, "__getitems__")
+                   else [records[i] for i in indices])
+        return [doc_bytes(r, self._format, self._field, self.name) for r in fetched]
 
 
 # --- get_source ----------------------------------------------------------------------------------

@@ -101,12 +101,22 @@ def require_package(module: str, spec: str):
         ) from None
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class SentencePieceTokenizer:
     """A SentencePiece model (``.model`` bytes); documents are joined by its ``</s>``."""
 
     def __init__(self, model_proto: bytes, name: str = "sentencepiece"):
         spm = require_package("sentencepiece", name)
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self._proto, self._name = model_proto, name
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise DataError(f"data.tokenizer={name!r} is not a SentencePiece model: "
+                            f"{_first_line(e)}") from None
         self.vocab_size = int(self._sp.get_piece_size())
         self.eos_id = int(self._sp.eos_id())
         if self.eos_id < 0:
@@ -117,6 +127,9 @@ class SentencePieceTokenizer:
     def from_file(cls, path: str) -> SentencePieceTokenizer:
         with open(path, "rb") as f:
             return cls(f.read(), name=path)
+
+    def __reduce__(self):  # data worker processes rebuild it from the model's bytes
+        return SentencePieceTokenizer, (self._proto, self._name)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text (no BOS/EOS; SentencePiece encodes the batch in threads, each
@@ -133,7 +146,12 @@ class HFTokenizer:
 
     def __init__(self, json_text: str, name: str = "tokenizer.json"):
         tokenizers = require_package("tokenizers", name)
-        self._tok = tokenizers.Tokenizer.from_str(json_text)
+        self._json, self._name = json_text, name
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(json_text)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise DataError(f"data.tokenizer={name!r} is not a Hugging Face tokenizer.json: "
+                            f"{_first_line(e)}") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         eos = next((t for t in EOS_TOKENS if t in vocab), None)
@@ -149,6 +167,9 @@ class HFTokenizer:
     def from_file(cls, path: str) -> HFTokenizer:
         with open(path, encoding="utf-8") as f:
             return cls(f.read(), name=path)
+
+    def __reduce__(self):  # data worker processes rebuild it from the file's text
+        return HFTokenizer, (self._json, self._name)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text, without the post-processor's special tokens."""
@@ -196,9 +217,13 @@ def load_tokenizer_file(spec: TokenizerSpec) -> Tokenizer:
     """The tokenizer of a ``spm_file`` / ``hf_file`` spec; a missing file raises DataError."""
     if not os.path.isfile(spec.path):
         raise DataError(f"data.tokenizer={spec.path!r}: no such file")
-    if spec.kind == "spm_file":
-        return SentencePieceTokenizer.from_file(spec.path)
-    return HFTokenizer.from_file(spec.path)
+    try:
+        if spec.kind == "spm_file":
+            return SentencePieceTokenizer.from_file(spec.path)
+        return HFTokenizer.from_file(spec.path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"data.tokenizer={spec.path!r} cannot be read: {_first_line(e)}"
+                        ) from None
 
 
 def tokenizer_vocab_size(setting: str) -> int:

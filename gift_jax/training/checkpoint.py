@@ -100,6 +100,7 @@ class Restored:
     step: int  # optimizer steps taken
     data_position: int  # index of the next batch
     state: Any  # same structure as the template
+    data_state: dict | None = None  # the stream pipeline's position (gift_jax.data.stream)
 
 
 def _flat_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
@@ -202,14 +203,16 @@ class Checkpointer:
             "moved aside (*.damaged); start a new run, or restore one of them by hand")
 
     def save(self, step: int, state: Any, *, data_position: int, skipped: int = 0,
-             force: bool = True) -> None:
-        """Writes ``state`` at ``step`` (blocking until it is on disk)."""
+             force: bool = True, data_state: dict | None = None) -> None:
+        """Writes ``state`` at ``step`` (blocking until it is on disk), with the data
+        pipeline's position (``data_position``, and ``data_state`` where it has one)."""
         if step in self.manager.all_steps():
             return
         names, leaves, _ = _flat_paths(state)
         meta = {"step": int(step), "data_position": int(data_position),
                 "skipped": int(skipped), "config": to_json(self.config), "paths": names,
-                "shapes": [_signature(x) for x in leaves], "mesh": self.mesh_shape}
+                "shapes": [_signature(x) for x in leaves], "mesh": self.mesh_shape,
+                "data_state": data_state}
         # orbax refuses zero-size arrays (placeholders in optax states): they come back from
         # the template, their shape and dtype are checked through the metadata
         arrays = {n: x for n, x in zip(names, leaves, strict=True) if x.size}
@@ -325,7 +328,8 @@ class Checkpointer:
         state = jax.tree_util.tree_unflatten(
             treedef, [restored[sources[n]] if x.size and n in sources else x
                       for n, x in zip(names, leaves, strict=True)])
-        return Restored(int(meta["step"]), int(meta["data_position"]), state)
+        return Restored(int(meta["step"]), int(meta["data_position"]), state,
+                        meta.get("data_state"))
 
     def _matching(self, step: int, meta: dict, names: list[str], signatures: list,
                   moved: bool) -> dict[str, str]:

@@ -52,6 +52,8 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
 PROJECTORS = ("plumage", "galore", "flora")
+#: ``data.pipeline`` values (:func:`gift_jax.training.loop.data_batches`).
+PIPELINES = ("grid", "stream")
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
 #: ``gift.route_frame`` values: :data:`gift_jax.whitening.stage.ROUTE_FRAMES` plus
 #: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
@@ -105,6 +107,10 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "data": {
         "tokenizer": "byte",  # byte | PATH.model | PATH/tokenizer.json | spm:N | bpe:N
+        # grid: windows of the split's whole token stream (one pass over it first) | stream:
+        # documents read and tokenized as training consumes them (grain; gift_jax.data.stream)
+        "pipeline": "grid",
+        "workers": -1,  # stream: worker processes that read and tokenize (-1: the host's cores)
     },
 }
 
@@ -433,12 +439,17 @@ def _validate_plumage_gift(config) -> None:
 def _validate_tokenizer(config) -> None:
     """``data.tokenizer`` has one of the forms of :data:`gift_jax.data.tokenizer.TOKENIZER_HELP`
     (its vocabulary is checked against ``model.vocab_size`` where the trainer uses the data
-    pipeline)."""
+    pipeline); ``data.pipeline`` and ``data.workers`` are known values."""
     from gift_jax.data.tokenizer import TOKENIZER_HELP, parse_tokenizer
 
     value = config.data.get("tokenizer", "byte")
     if parse_tokenizer(value) is None:
         raise ConfigError(f"data.tokenizer={value!r} is not supported; allowed: {TOKENIZER_HELP}")
+    _choice(config, "data.pipeline", PIPELINES)
+    workers = config.data.workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < -1:
+        raise ConfigError(f"data.workers={workers!r} must be an int >= -1 (-1: the host's "
+                          "cores; 0: read and tokenize in the training process)")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:

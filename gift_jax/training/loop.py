@@ -72,16 +72,41 @@ class TrainResult:
     summary: dict[str, Any]  # end-of-run summary
 
 
-def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
+def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte",
+                 pipeline: str = "grid", workers: int = -1
                  ) -> tuple[BatchFn, int, tuple[str, ...]]:
     """``(batches, vocab_size, splits)`` of a :mod:`gift_jax.data` source (``--data``) under
-    ``data.tokenizer`` ``tokenizer``."""
-    from gift_jax.data import batch_iterator, get_source
+    ``data.tokenizer`` ``tokenizer``.
+
+    Args:
+      spec, data_dir, tokenizer: ``--data``, ``--data_dir`` and ``data.tokenizer``.
+      pipeline: ``"grid"`` (:func:`gift_jax.data.batch_iterator`: windows of each split's
+        whole token stream) or ``"stream"`` (:func:`gift_jax.data.stream_batches`: lanes of
+        documents tokenized as they are consumed; the iterator has a ``state()`` that the
+        trainer checkpoints, and ``batches`` takes it back as ``state=``).
+      workers: ``stream``'s worker processes (-1: the host's cores).
+
+    Returns:
+      The batch function (see :data:`BatchFn`), the tokenizer's vocabulary and the splits.
+    """
+    from gift_jax.data import batch_iterator, get_source, stream_batches
+    from gift_jax.data.stream import default_workers
 
     source = get_source(spec=spec, data_dir=data_dir, tokenizer=tokenizer)
+    if pipeline == "grid":
+        def batches(split, global_batch, seq_len, **kwargs):
+            return batch_iterator(source, split, global_batch, seq_len, **kwargs)
+    else:
+        workers = default_workers() if workers == -1 else workers
 
-    def batches(split, global_batch, seq_len, **kwargs):
-        return batch_iterator(source, split, global_batch, seq_len, **kwargs)
+        def batches(split, global_batch, seq_len, *, start_step=0, state=None, **kwargs):
+            it = stream_batches(source, split, global_batch, seq_len, workers=workers,
+                                state=state, **kwargs)
+            if state is None and start_step:  # a position saved without its data state
+                log.info("data: replaying %d batches to reach the saved position", start_step)
+                for _ in range(start_step):
+                    next(it)
+            return it
 
     return batches, source.vocab_size, tuple(source.splits)
 
@@ -260,7 +285,8 @@ class Trainer:
             if mismatch:  # before the corpus or the tokenizer is prepared on disk
                 raise ConfigError(mismatch)
             batches, _, splits = data_batches(config.data.source, data_dir,
-                                              config.data.tokenizer)
+                                              config.data.tokenizer, config.data.pipeline,
+                                              config.data.workers)
         if eval_split is None:
             eval_split = next((s for s in ("validation", "test") if s in splits), None)
         self.batches = batches
@@ -288,12 +314,14 @@ class Trainer:
         step_fn = program.step
         self.params, self.opt_state = program.init()
         self.step = self.data_position = 0
+        self.data_state = None  # the stream pipeline's position (see data_state())
         if latest is not None:
             restored = self.checkpointer.restore({"params": self.params,
                                                   "opt_state": self.opt_state})
             self.params, self.opt_state = step_fn.place(restored.state["params"],
                                                         restored.state["opt_state"])
             self.step, self.data_position = restored.step, restored.data_position
+            self.data_state = restored.data_state
             log.info("resumed from step %d", self.step)
         elif resume == "auto":
             log.info("no checkpoint in %s: starting a fresh run", workdir)
@@ -395,7 +423,25 @@ class Trainer:
             with self.watch.phase("checkpoint"):
                 self.checkpointer.save(
                     self.step, {"params": self.params, "opt_state": self.opt_state},
-                    data_position=self.data_position, skipped=int(self.opt_state.skipped))
+                    data_position=self.data_position, skipped=int(self.opt_state.skipped),
+                    data_state=self._data_state())
+
+    def _data_state(self) -> dict | None:
+        """The train iterator's position as one global state (every process's lanes, gathered)
+        when it has one (the stream pipeline), else ``None``."""
+        it = self._train_it
+        if it is None or not hasattr(it, "state"):
+            return self.data_state  # not read since the restore (or no state to keep)
+        from gift_jax.data.stream import global_state
+
+        mine = it.state()
+        if jax.process_count() == 1:
+            return global_state([mine])
+        from jax.experimental import multihost_utils
+
+        lanes = np.asarray(mine["lanes"], np.int64)
+        gathered = multihost_utils.process_allgather(lanes)  # (processes, lanes, 2)
+        return {"lanes": gathered.reshape(-1, 2).tolist()}
 
     def _diagnostics(self, batch: jax.Array) -> None:
         with self.watch.phase("eval", block=self.params):
@@ -461,10 +507,11 @@ class Trainer:
         end = tc.num_steps if steps is None else min(tc.num_steps, self.step + steps)
         step_fn = self.program.step
         if self._train_it is None:
+            resume = {"state": self.data_state} if self.data_state is not None else {}
             self._train_it = self.batches(
                 "train", tc.global_batch_size, tc.seq_len, seed=self.config.data.shuffle_seed,
                 start_step=self.data_position, process_index=jax.process_index(),
-                process_count=jax.process_count())
+                process_count=jax.process_count(), **resume)
         shape = (tc.global_batch_size, tc.seq_len + 1)
         window: list[dict[str, jax.Array]] = []
         refreshes, window_s = 0, 0.0

@@ -1,0 +1,316 @@
+"""Streaming batches on grain: documents are read, tokenized and packed as training consumes
+them, with no pass over the corpus before the first batch (``data.pipeline='stream'``).
+
+Scheme (lanes). A global batch of ``B`` rows has ``B`` lanes. The documents of a split are
+visited in a global order: position ``g = 0, 1, 2, ...`` is document ``perm_e(g mod D)`` of
+epoch ``e = g // D`` (``D`` documents; ``perm_e`` is grain's index shuffle keyed by
+``(seed, e)``; record order without shuffling). Lane ``j`` takes the positions ``j, j + B,
+j + 2B, ...`` and concatenates their tokens, each document followed by the tokenizer's
+``eos_id``; row ``j`` of batch ``k`` is the ``k``-th window of ``L = seq_len + 1`` tokens of lane
+``j``. A document longer than a window continues in the lane's next window; an empty one
+contributes nothing. So:
+
+* batch ``k`` is a function of ``(corpus, tokenizer, seed, k, B, L)`` only: neither the number
+  of processes nor the number of worker processes changes it;
+* process ``p`` of ``P`` owns lanes ``[p B/P, (p+1) B/P)`` and reads only their documents (a
+  ``1/P`` share, disjoint from the others'), and the processes' rows make up exactly the
+  global batch;
+* nothing needs the corpus's token count: ``D`` comes from the record count of the split
+  (ArrayRecord / TFDS metadata), so the first batch costs the documents of its own windows.
+
+Work per process. The process's documents, in the order it consumes them (local document
+``i`` is lane ``i mod b`` of its ``b = B/P`` lanes, round ``i div b``), are read and tokenized in
+chunks of :data:`CHUNK_DOCS` by a grain pipeline (``MapDataset.range(...).map(read and
+tokenize)``), in ``workers`` worker processes (``mp_prefetch``: the chunks come back in order
+whatever the worker count). The main process only packs: it hands each document's tokens to its
+lane and cuts a batch when every lane holds a window.
+
+Resume. :meth:`LaneBatches.state` is small and exact: per lane of this process, the round of
+its first unconsumed document and how many of that document's tokens are consumed. It names
+global lanes (``first_lane``), so the states of all processes concatenate into one global
+state that does not depend on the process count. :func:`stream_batches` with a global state
+re-reads from the earliest of its lanes' documents and drops what was consumed, so a resumed
+iterator yields exactly the batches of an uninterrupted one (the trainer saves the global
+state with each checkpoint).
+
+Anchors: grain's ``MapDataset`` / ``mp_prefetch`` (maxtext's input pipeline), flax's lm1b example
+(SentencePiece on the fly), levanter's lazily tokenized caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from gift_jax.data.errors import DataError
+from gift_jax.data.tokenized import stream_dtype
+
+#: Documents read and tokenized together (one grain element; SentencePiece encodes a chunk in
+#: threads).
+CHUNK_DOCS = 64
+#: Chunks read ahead per reader (the main process, or each worker): host memory stays a few
+#: chunks per worker even when documents are whole books.
+PREFETCH_CHUNKS = 2
+#: Upper end of the local document index of an endless (training) stream.
+_ENDLESS = 1 << 62
+
+
+def default_workers() -> int:
+    """The host's cores available to this process (the ``data.workers`` default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _grain():
+    try:
+        import grain
+    except ImportError:
+        raise DataError("data.pipeline='stream' needs grain: pip install grain (part of the "
+                        "'data' extra of gift_jax)") from None
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain reads absl flags; a script without absl.app
+        flags.FLAGS.mark_as_parsed()
+    return grain
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneLayout:
+    """Which global positions the local documents of one process are (see the module doc)."""
+
+    lanes: int  # B: lanes of the global batch
+    first: int  # p * B / P: this process's first lane
+    local: int  # B / P: this process's lanes
+
+    def position(self, i: int) -> int:
+        """The global position of local document ``i``."""
+        rounds, lane = divmod(i, self.local)
+        return rounds * self.lanes + self.first + lane
+
+
+@dataclasses.dataclass
+class ReadChunk:
+    """Local chunk ``c`` → ``[(i, tokens of local document i + EOS)]`` for its documents; run
+    in grain's worker processes (pickled with the reader and the tokenizer)."""
+
+    reader: Any  # DocumentReader of the split
+    layout: LaneLayout
+    tokenizer: Any
+    shuffle: bool
+    seed: int
+    endless: bool
+
+    def __post_init__(self):
+        self._order = None
+
+    def _global_order(self):
+        if self._order is None:  # built lazily, in the worker
+            docs = _grain().MapDataset.range(len(self.reader))
+            if self.shuffle:
+                docs = docs.shuffle(seed=self.seed)
+            self._order = docs.repeat(None) if self.endless else docs
+        return self._order
+
+    def __call__(self, chunk: int) -> list[tuple[int, np.ndarray]]:
+        order, n = self._global_order(), len(self.reader)
+        local = range(chunk * CHUNK_DOCS, (chunk + 1) * CHUNK_DOCS)
+        pairs = [(i, self.layout.position(i)) for i in local]
+        pairs = [(i, g) for i, g in pairs if self.endless or g < n]
+        texts = [t.decode("utf-8", errors="replace")
+                 for t in self.reader.get([order[g] for _, g in pairs])]
+        dtype = stream_dtype(self.tokenizer.vocab_size)  # halves what workers send back
+        eos = np.asarray([self.tokenizer.eos_id], dtype)
+        ids = self.tokenizer.encode_batch(texts) if texts else []
+        return [(i, np.concatenate([tokens.astype(dtype), eos]) if text else eos[:0])
+                for (i, _), text, tokens in zip(pairs, texts, ids, strict=True)]
+
+
+def _cause(error: Exception) -> str:
+    """``Type: message`` of the error a worker raised: the last such line of grain's report
+    (it wraps the worker's traceback in its own error), else the error itself."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return named[-1] if named else f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+class LaneBatches:
+    """Iterator of this process's ``int32 [b, L]`` batches from a stream of tokenized chunks
+    (see the module doc); :meth:`state` is where it stands, for :func:`stream_batches`."""
+
+    def __init__(self, chunks: Iterator, layout: LaneLayout, length: int,
+                 resume: list[tuple[int, int]] | None, first_doc: int, describe: str,
+                 loop: bool):
+        self._chunks, self._layout, self._length = chunks, layout, length
+        self._local = layout.local
+        self._describe, self._loop = describe, loop
+        self._lanes: list[deque] = [deque() for _ in range(self._local)]  # [i, tokens, offset]
+        self._held = np.zeros(self._local, np.int64)  # tokens each lane holds
+        self._next_doc = first_doc
+        # on resume, per local lane: (first unconsumed local document, its tokens consumed)
+        self._resume = resume
+        self._resume_until = max(f for f, _ in resume) if resume else -1
+        self._done = False
+        self._emitted = 0
+
+    def __iter__(self) -> LaneBatches:
+        return self
+
+    def state(self) -> dict:
+        """``{"first_lane": j, "lanes": [[round, tokens consumed], ...]}``: for each of this
+        process's lanes (global lanes ``j, j + 1, ...``), the round of its first unconsumed
+        document and how many of its tokens were consumed (JSON-able; see the module doc)."""
+        lanes = []
+        for lane, queue in enumerate(self._lanes):
+            if queue:
+                first, consumed = queue[0][0], queue[0][2]
+            else:  # its next document is the first of this lane not read yet
+                first, consumed = self._next_doc + (lane - self._next_doc) % self._local, 0
+            lanes.append([int(first // self._local), int(consumed)])
+        return {"first_lane": self._layout.first, "lanes": lanes}
+
+    def _pull(self) -> bool:
+        try:
+            chunk = next(self._chunks)
+        except StopIteration:
+            return False
+        except DataError:
+            raise
+        except Exception as e:  # a worker process that died or raised
+            raise DataError(f"{self._describe}: a data worker failed ({_cause(e)}); rerun "
+                            "with --config.data.workers=0 to see it in the main process"
+                            ) from None
+        for i, tokens in chunk:
+            lane = i % self._local
+            self._next_doc = max(self._next_doc, i + 1)
+            offset = 0
+            if self._resume is not None:
+                first, consumed = self._resume[lane]
+                if i < first:
+                    continue  # consumed before the checkpoint
+                offset = consumed if i == first else 0
+            if tokens.size > offset:
+                self._lanes[lane].append([i, tokens, offset])
+                self._held[lane] += tokens.size - offset
+        return True
+
+    def __next__(self) -> np.ndarray:
+        while not self._done and self._held.min() < self._length:
+            self._done = not self._pull()
+        if self._held.min() < self._length:
+            if not self._emitted:
+                raise DataError(
+                    f"{self._describe} has too few tokens for one batch: every one of its "
+                    f"{self._layout.lanes} rows (lanes) needs a window of {self._length} "
+                    "tokens of its own documents; use a smaller global batch or seq_len"
+                    + ("" if self._loop else ", or loop over the split"))
+            raise StopIteration
+        self._emitted += 1
+        if self._next_doc > self._resume_until:
+            self._resume = None  # every lane is past its saved position
+        out = np.empty((self._local, self._length), np.int32)
+        for lane, queue in enumerate(self._lanes):
+            filled = 0
+            while filled < self._length:
+                entry = queue[0]
+                _, tokens, offset = entry
+                take = min(self._length - filled, tokens.size - offset)
+                out[lane, filled:filled + take] = tokens[offset:offset + take]
+                filled += take
+                if offset + take == tokens.size:
+                    queue.popleft()
+                else:
+                    entry[2] = offset + take
+            self._held[lane] -= self._length
+        return out
+
+
+def stream_batches(
+    source,
+    split: str,
+    global_batch: int,
+    seq_len: int,
+    *,
+    seed: int = 0,
+    shuffle: bool | None = None,
+    loop: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
+    workers: int = 0,
+    state: dict | str | None = None,
+) -> LaneBatches:
+    """This process's ``int32 [global_batch // process_count, seq_len + 1]`` batches of
+    ``split`` by the lane scheme of the module doc, read and tokenized by ``workers`` grain
+    worker processes (0: in this process).
+
+    ``source``: a :class:`~gift_jax.data.source.TokenSource` (byte tokens) or a
+    :class:`~gift_jax.data.tokenized.TokenizedSource` (its tokenizer; nothing is tokenized
+    ahead). ``shuffle`` defaults to ``split == "train"``; ``loop=False`` ends at the first
+    batch a lane cannot fill (a fixed, bounded set of windows: evaluation). ``state``: a
+    :meth:`LaneBatches.state` (or its JSON) to resume from. Bad settings raise
+    :class:`DataError`."""
+    if global_batch < 1 or seq_len < 1:
+        raise DataError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
+    if not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} must lie in [0, {process_count})")
+    if global_batch % process_count:
+        raise DataError(f"global_batch={global_batch} is not divisible by process_count="
+                        f"{process_count}; use a global batch that is a multiple of the number "
+                        "of processes")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise DataError(f"data.workers={workers!r} must be an int >= 0 (0: read and tokenize "
+                        "in the main process)")
+    grain = _grain()
+    shuffle = split == "train" if shuffle is None else shuffle
+    tokenizer = getattr(source, "tokenizer", None)
+    byte_source = source.source if tokenizer is not None else source
+    if tokenizer is None:
+        from gift_jax.data.tokenizer import ByteTokenizer
+
+        tokenizer = ByteTokenizer()
+    reader = byte_source.reader(split)
+    if len(reader) == 0:
+        raise DataError(f"split {split!r} of {source.name} has no documents")
+    local = global_batch // process_count
+    layout = LaneLayout(global_batch, process_index * local, local)
+    if isinstance(state, str):
+        state = json.loads(state)
+    resume = None
+    if state is not None:
+        lanes = state.get("lanes") if isinstance(state, dict) else None
+        if not isinstance(lanes, list) or len(lanes) != global_batch:
+            raise DataError(
+                f"the saved data position holds {len(lanes or ())} lanes, this run reads "
+                f"{global_batch} (train.global_batch_size); resume with the global batch it "
+                "was saved with")
+        resume = [(int(r) * local + lane, int(consumed)) for lane, (r, consumed)
+                  in enumerate(lanes[layout.first:layout.first + local])]
+    first_doc = min(f for f, _ in resume) if resume else 0
+    if loop:
+        stop = _ENDLESS // CHUNK_DOCS
+    else:  # the last local document whose position is in the split
+        rounds = -(-len(reader) // global_batch)
+        stop = -(-rounds * local // CHUNK_DOCS)
+    read = ReadChunk(reader, layout, tokenizer, shuffle, seed, endless=loop)
+    chunks = grain.MapDataset.range(first_doc // CHUNK_DOCS, max(stop, 1)).map(read)
+    chunks = chunks.to_iter_dataset(grain.ReadOptions(num_threads=1,
+                                                      prefetch_buffer_size=PREFETCH_CHUNKS))
+    if workers:
+        chunks = chunks.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    start = (first_doc // CHUNK_DOCS) * CHUNK_DOCS
+    return LaneBatches(iter(chunks), layout, seq_len + 1, resume, start,
+                       f"split {split!r} of {source.name}", loop)
+
+
+def global_state(states: list[dict]) -> dict:
+    """One global position from the :meth:`LaneBatches.state` of every process."""
+    states = sorted(states, key=lambda s: s["first_lane"])
+    return {"lanes": [lane for s in states for lane in s["lanes"]]}
