@@ -342,8 +342,25 @@ def _assembled(x) -> np.ndarray:
 
 
 #: Multi-process meshes: pure data parallelism, and (data=2 across the processes, fsdp=2,
-#: tensor=2) — each process holds one replica, split over its 4 devices.
-MP_MESHES = {"data": {}, "sharded": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+#: tensor=2) — each process holds one replica, split over its 4 devices; "stream": pure data
+#: parallelism on the bundled corpus through the streaming pipeline (each process reads the
+#: documents of its own rows), checkpointed (the processes' data positions gathered).
+MP_MESHES = {"data": {}, "sharded": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+             "stream": {"data.pipeline": "stream", "data.workers": 0,
+                        "train.checkpoint_every": MP_STEPS}}
+
+
+def _mp_run(mesh: str, workdir: str | None):
+    config = small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh])
+    if mesh != "stream":
+        return run(config, stop_after=MP_STEPS)
+    return run(config, workdir, stop_after=MP_STEPS, batches=None)
+
+
+def _data_state(workdir: str):
+    path = os.path.join(workdir, "checkpoints", str(MP_STEPS), "meta", "metadata")
+    with open(path) as f:
+        return json.load(f)["data_state"]
 
 
 def _worker(port: int, process_id: int, out: str, mesh: str) -> None:
@@ -352,8 +369,7 @@ def _worker(port: int, process_id: int, out: str, mesh: str) -> None:
 
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    result = run(small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh]),
-                 stop_after=MP_STEPS)
+    result = _mp_run(mesh, out + ".run")
     if process_id == 0:
         flat = {str(i): _assembled(x) for i, x in enumerate(jax.tree.leaves(result.params))}
         np.savez(out, losses=[h["loss"] for h in result.history if "loss" in h], **flat)
@@ -370,8 +386,7 @@ def test_two_processes_match_one_process(tmp_path, mesh):
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(port), str(i), out, mesh],
                               env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    single = run(small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh]),
-                 stop_after=MP_STEPS)
+    single = _mp_run(mesh, str(tmp_path / "single"))
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     got = np.load(out)
@@ -381,6 +396,8 @@ def test_two_processes_match_one_process(tmp_path, mesh):
     np.testing.assert_allclose(got["losses"], losses, rtol=1e-6)
     for i, leaf in enumerate(jax.tree.leaves(single.params)):
         np.testing.assert_array_equal(got[str(i)], np.asarray(leaf))
+    if mesh == "stream":  # both processes' lanes, in one global position
+        assert _data_state(out + ".run") == _data_state(str(tmp_path / "single"))
 
 
 if _WORKER:

@@ -32,8 +32,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from etils import epath
 
 from gift_jax.data.errors import DataError
+from gift_jax.data.storage import credentials_hint, first_line
 from gift_jax.data.tokenizer import SEPARATOR, VOCAB_SIZE
 
 log = logging.getLogger(__name__)
@@ -319,8 +321,15 @@ def _from_tfds(arg: str, data_dir, text_field, index_dir) -> TokenSource:
     name, _, version = arg.partition(":")
     if data_dir is None:
         data_dir = os.environ.get("TFDS_DATA_DIR", os.path.join("~", "tensorflow_datasets"))
-    data_dir = os.path.abspath(os.path.expanduser(data_dir))
-    version_dir = resolve_tfds_dir(name, version or None, data_dir)
+    if "://" not in data_dir:  # gs://... and other object stores stay as they are
+        data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    try:
+        version_dir = resolve_tfds_dir(name, version or None, data_dir)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - object stores raise many kinds of errors
+        raise DataError(f"--data_dir {data_dir!r} cannot be read ({type(e).__name__}: "
+                        f"{first_line(e)}){credentials_hint(data_dir)}") from None
     version = os.path.basename(version_dir)
     splits = _raw_data_source(f"{name}:{version}", data_dir)
     if "validation" not in splits and "test" in splits:
@@ -337,13 +346,13 @@ def _from_tfds(arg: str, data_dir, text_field, index_dir) -> TokenSource:
 
 
 def _versions(path: str) -> list[str]:
-    if not os.path.isdir(path):
+    path = epath.Path(path)
+    if not path.is_dir():
         return []
     found = [
-        v
-        for v in os.listdir(path)
-        if os.path.isfile(os.path.join(path, v, "dataset_info.json"))
-        and all(p.isdigit() for p in v.split("."))
+        v.name
+        for v in path.iterdir()
+        if (v / "dataset_info.json").is_file() and all(p.isdigit() for p in v.name.split("."))
     ]
     return sorted(found, key=lambda v: tuple(int(p) for p in v.split(".")))
 
@@ -354,14 +363,15 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
     Without ``version`` the newest prepared version is used. A TFRecord-only preparation is
     refused: reading it would need TensorFlow.
     """
-    if not os.path.isdir(data_dir):
+    root = epath.Path(data_dir)
+    if not root.is_dir():
         raise DataError(f"--data_dir {data_dir!r} does not exist (needed by --data tfds:{name})")
     path = os.path.join(data_dir, *name.split("/"))
     versions = _versions(path)
     if not versions:
         configs = (
-            sorted(c for c in os.listdir(path) if _versions(os.path.join(path, c)))
-            if os.path.isdir(path)
+            sorted(c.name for c in epath.Path(path).iterdir() if _versions(str(c)))
+            if epath.Path(path).is_dir()
             else []
         )
         if configs:
@@ -369,11 +379,13 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
                 f"--data tfds:{name} has configs {configs} in {data_dir}; "
                 f"use tfds:{name}/CONFIG[:VERSION]"
             )
-        available = sorted(d for d in os.listdir(data_dir) if not d.startswith(("downloads", ".")))
+        available = sorted(d.name for d in root.iterdir()
+                           if not d.name.startswith(("downloads", ".")))
         raise DataError(
             f"--data tfds:{name}: no prepared dataset {name!r} in --data_dir {data_dir}; "
-            f"found: {available}"
-        )
+            f"found: {available}; prepare it once with `tfds build {name} --data_dir "
+            f"{data_dir} --file_format array_record` (README: Data at pod scale), or point "
+            "--data_dir at a prepared copy")
     if version is None:
         version = versions[-1]
     elif version not in versions:
@@ -382,8 +394,7 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
             f"--data_dir {data_dir}; prepared versions: {versions}"
         )
     version_dir = os.path.join(path, version)
-    with open(os.path.join(version_dir, "dataset_info.json")) as f:
-        info = json.load(f)
+    info = json.loads((epath.Path(version_dir) / "dataset_info.json").read_text())
     formats = [info.get("fileFormat", "tfrecord"), *info.get("alternativeFileFormats", [])]
     if "array_record" not in formats:
         raise DataError(

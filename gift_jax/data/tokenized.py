@@ -19,12 +19,12 @@ on the corpus, the tokenizer model (its fingerprint is the hash of the model fil
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 
 import numpy as np
 
+from gift_jax.data.storage import cached
 from gift_jax.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,17 +111,13 @@ class TokenizedSource:
             tokenize_split(self.source, split, self.tokenizer, buf)
             return np.frombuffer(buf.getvalue(), dtype)
         path = os.path.join(self._dir, f"{split}-{n}docs.{dtype.name}")
-        os.makedirs(self._dir, exist_ok=True)
-        with open(os.path.join(self._dir, ".lock"), "w") as lock:  # one process tokenizes
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not os.path.exists(path):
-                    log.info("tokenizing %s/%s (%d documents) into %s", self.name, split, n,
-                             path)
-                    tmp = f"{path}.{os.getpid()}.tmp"
-                    with open(tmp, "wb") as f:
-                        tokenize_split(self.source, split, self.tokenizer, f)
-                    os.replace(tmp, path)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+
+        def tokenize(tmp) -> None:
+            log.info("tokenizing %s/%s (%d documents) into %s", self.name, split, n, path)
+            with tmp.open("wb") as f:
+                tokenize_split(self.source, split, self.tokenizer, f)
+
+        stored = cached(path, tokenize, f"the token stream of {self.name}/{split}")
+        if "://" in path:  # object storage: read it whole (a memory map needs a local file)
+            return np.frombuffer(stored.read_bytes(), dtype)
         return np.memmap(path, dtype=dtype, mode="r")

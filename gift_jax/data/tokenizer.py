@@ -27,8 +27,10 @@ import os
 from typing import Protocol
 
 import numpy as np
+from etils import epath
 
 from gift_jax.data.errors import DataError
+from gift_jax.data.storage import first_line
 
 VOCAB_SIZE = 256
 #: The byte that joins documents in a token stream. NUL never occurs in ordinary text.
@@ -101,11 +103,6 @@ def require_package(module: str, spec: str):
         ) from None
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 class SentencePieceTokenizer:
     """A SentencePiece model (``.model`` bytes); documents are joined by its ``</s>``."""
 
@@ -116,7 +113,7 @@ class SentencePieceTokenizer:
             self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         except (RuntimeError, TypeError, ValueError) as e:
             raise DataError(f"data.tokenizer={name!r} is not a SentencePiece model: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
         self.vocab_size = int(self._sp.get_piece_size())
         self.eos_id = int(self._sp.eos_id())
         if self.eos_id < 0:
@@ -125,8 +122,7 @@ class SentencePieceTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> SentencePieceTokenizer:
-        with open(path, "rb") as f:
-            return cls(f.read(), name=path)
+        return cls(epath.Path(path).read_bytes(), name=path)
 
     def __reduce__(self):  # data worker processes rebuild it from the model's bytes
         return SentencePieceTokenizer, (self._proto, self._name)
@@ -151,7 +147,7 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_str(json_text)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
             raise DataError(f"data.tokenizer={name!r} is not a Hugging Face tokenizer.json: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         eos = next((t for t in EOS_TOKENS if t in vocab), None)
@@ -165,8 +161,7 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> HFTokenizer:
-        with open(path, encoding="utf-8") as f:
-            return cls(f.read(), name=path)
+        return cls(epath.Path(path).read_text(encoding="utf-8"), name=path)
 
     def __reduce__(self):  # data worker processes rebuild it from the file's text
         return HFTokenizer, (self._json, self._name)
@@ -215,14 +210,14 @@ def parse_tokenizer(spec: str) -> TokenizerSpec | None:
 
 def load_tokenizer_file(spec: TokenizerSpec) -> Tokenizer:
     """The tokenizer of a ``spm_file`` / ``hf_file`` spec; a missing file raises DataError."""
-    if not os.path.isfile(spec.path):
+    if not epath.Path(spec.path).is_file():
         raise DataError(f"data.tokenizer={spec.path!r}: no such file")
     try:
         if spec.kind == "spm_file":
             return SentencePieceTokenizer.from_file(spec.path)
         return HFTokenizer.from_file(spec.path)
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"data.tokenizer={spec.path!r} cannot be read: {_first_line(e)}"
+        raise DataError(f"data.tokenizer={spec.path!r} cannot be read: {first_line(e)}"
                         ) from None
 
 

@@ -15,12 +15,12 @@ record order (:func:`training_texts`; a whole corpus such as C4 is never read fo
 Deterministic: one thread, no input sampling or shuffling, so the same corpus prefix gives the
 same model file byte for byte. Cached: :func:`trained_tokenizer` writes the model once under
 ``cache_dir`` (next to the prepared data), named by corpus, kind, vocabulary and ``max_chars``
-(:func:`trained_path`); concurrent processes serialize on a lock file and later runs reuse it.
+(:func:`trained_path`, local or ``gs://``); process 0 of a job trains it while the others wait
+(:func:`gift_jax.data.storage.cached`), and later runs reuse it.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import io
 import logging
@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterator
 
 from gift_jax.data.errors import DataError
+from gift_jax.data.storage import cached
 from gift_jax.data.tokenizer import (
     TOKENIZER_HELP,
     ByteTokenizer,
@@ -126,24 +127,16 @@ def trained_tokenizer(source, kind: str, vocab_size: int, cache_dir: str,
     """The ``spm``/``bpe`` tokenizer of ``vocab_size`` ids trained on ``source``'s train split,
     loaded from ``cache_dir`` or trained once and written there."""
     path = trained_path(cache_dir, source.name, kind, vocab_size, max_chars)
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, ".train.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not os.path.exists(path):
-                log.info("training a %s tokenizer of %d ids on %s/train", kind, vocab_size,
-                         source.name)
-                texts = training_texts(source, max_chars)
-                if kind == "spm":
-                    data = train_sentencepiece(texts, vocab_size)
-                else:
-                    data = train_bpe(texts, vocab_size).encode("utf-8")
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def train(tmp) -> None:
+        log.info("training a %s tokenizer of %d ids on %s/train", kind, vocab_size, source.name)
+        texts = training_texts(source, max_chars)
+        if kind == "spm":
+            tmp.write_bytes(train_sentencepiece(texts, vocab_size))
+        else:
+            tmp.write_bytes(train_bpe(texts, vocab_size).encode("utf-8"))
+
+    path = str(cached(path, train, f"the {kind}:{vocab_size} tokenizer"))
     if kind == "spm":
         return SentencePieceTokenizer.from_file(path)
     return HFTokenizer.from_file(path)
