@@ -69,3 +69,28 @@ def test_bench_data_script_smoke(tmp_path):
     for r in report["rows"]:
         assert r["pipeline_tokens_per_s"] > 0 and r["tokenize_tokens_per_s"] > 0
     assert report["train_step"]["tokens_per_s"] > 0
+
+
+def test_bench_stream_script_smoke(tmp_path):
+    """scripts/bench_stream.py on a 4 MB generated corpus: its JSON lines become one TFDS
+    record each, the first batch comes with a freshly trained SentencePiece, the pipeline's
+    tokens/s and memory per worker count and the pod arithmetic are reported."""
+    import json
+    import pathlib
+    import runpy
+
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("tensorflow_datasets")
+    pytest.importorskip("grain")
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_stream.py"
+    runpy.run_path(str(script))["main"]([
+        "--out", str(tmp_path), "--gigabytes", "0.004", "--tokenizer", "spm:400",
+        "--config", "tiny", "--workers", "0,1", "--batches", "2", "--repeats", "1"])
+    report = json.loads((tmp_path / "bench_stream.json").read_text())
+    assert report["corpus_bytes"] >= 0.004 * 2**30 and report["train_documents"] > 1000
+    assert 0 < report["tokenizer_s"] < report["first_batch_s"]
+    assert [r["workers"] for r in report["rows"]] == [0, 1]
+    assert all(r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 for r in report["rows"])
+    assert report["grid"]["first_batch_s"] > report["tokenizer_s"]
+    assert report["pod"]["cores_needed"] > 0
+    assert "Time to the first batch" in (tmp_path / "bench_stream.md").read_text()

@@ -7,9 +7,11 @@ One builder, ``gift_text``, with one config per corpus:
   Markdown markup is stripped; one record per play. The plays in :data:`VALIDATION_PLAYS` are
   the validation split, all others the train split.
 * ``text_<dirname>_<hash>`` -- every non-hidden regular file under a local directory (recursive),
-  one record per file, decoded as UTF-8 (invalid bytes replaced). The config is keyed by the
-  directory's absolute path. Files are split deterministically by the SHA-1 of their relative
-  path: the ``max(1, n // 20)`` files with the smallest digests are the validation split.
+  one record per file, decoded as UTF-8 (invalid bytes replaced); a ``.jsonl`` file holds one
+  document per line (the ``"text"`` field of each JSON object, C4's raw layout). The config is
+  keyed by the directory's absolute path. Files are split deterministically by the SHA-1 of
+  their relative path: the ``max(1, n // 20)`` files with the smallest digests are the
+  validation split.
 
 Records are ``{"id": <play slug or relative path>, "text": <text>}``, written in generation
 order (shuffling disabled) with ``file_format="array_record"``. Preparing is idempotent:
@@ -31,9 +33,9 @@ Beam-free ``GeneratorBasedBuilder`` path and never imports ``tensorflow``. Readi
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -43,6 +45,7 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 
 from gift_jax.data.errors import DataError
+from gift_jax.data.storage import barrier
 
 log = logging.getLogger(__name__)
 
@@ -129,21 +132,21 @@ class GiftText(tfds.core.GeneratorBasedBuilder):
 def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, str]:
     """Prepares ``config`` in ArrayRecord format under ``data_dir`` (idempotent).
 
-    Concurrent callers (several processes of one job) serialize on a lock file, so one builds
-    and the others then find the dataset prepared. Returns ``(tfds_name, data_dir)`` such that
-    ``tfds.data_source(tfds_name, data_dir=data_dir)`` reads it.
+    Process 0 of a job builds; the others wait on a barrier of JAX's runtime and then find it
+    prepared (TFDS writes into a temporary directory and renames it when complete). Returns
+    ``(tfds_name, data_dir)`` such that ``tfds.data_source(tfds_name, data_dir=data_dir)``
+    reads it.
     """
+    import jax
+
     data_dir = os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
     if config.directory is not None:
         split_text_files(config.directory)  # Fail early, before TFDS creates any directory.
-    os.makedirs(data_dir, exist_ok=True)
-    with open(os.path.join(data_dir, f".{BUILDER_NAME}-{config.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            builder = GiftText(config=config, data_dir=data_dir, file_format="array_record")
-            builder.download_and_prepare()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    if jax.process_index() == 0:
+        os.makedirs(data_dir, exist_ok=True)
+        builder = GiftText(config=config, data_dir=data_dir, file_format="array_record")
+        builder.download_and_prepare()
+    barrier(f"gift_jax prepared {config.name}")
     return f"{BUILDER_NAME}/{config.name}:{VERSION}", data_dir
 
 
@@ -222,6 +225,25 @@ def split_text_files(directory: str) -> tuple[list[str], list[str]]:
 
 def _read_files(directory: str, files: list[str]) -> Iterator[tuple[str, str]]:
     for rel in files:
-        with open(os.path.join(directory, rel), "rb") as f:
+        path = os.path.join(directory, rel)
+        if rel.endswith(".jsonl"):  # one document per line, C4's raw layout
+            yield from _json_lines(path, rel)
+            continue
+        with open(path, "rb") as f:
             text = f.read().decode("utf-8", errors="replace").replace("\x00", "")
         yield rel, text
+
+
+def _json_lines(path: str, rel: str) -> Iterator[tuple[str, str]]:
+    """``(rel:LINE, text)`` of each JSON line of ``path`` (its ``"text"`` field)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (ValueError, KeyError, TypeError):
+                raise DataError(f"--data text:DIR: {path} line {number} is not a JSON object "
+                                'with a "text" field (.jsonl files hold one document per '
+                                "line)") from None
+            yield f"{rel}:{number}", str(text).replace("\x00", "")

@@ -18,7 +18,8 @@ from etils import epath
 from gift_jax.data.errors import DataError
 
 
-def _barrier(name: str) -> None:
+def barrier(name: str) -> None:
+    """Waits for every process of the job (a no-op with one)."""
     import jax
 
     if jax.process_count() > 1:
@@ -50,7 +51,7 @@ def cached(path: str | os.PathLike, build: Callable[[epath.Path], None], what: s
     except Exception as e:  # noqa: BLE001 - storage back ends raise many kinds of errors
         raise DataError(f"{what} {str(path)!r} cannot be written: {type(e).__name__}: "
                         f"{first_line(e)}{credentials_hint(path)}") from None
-    _barrier(f"gift_jax data artifact {path.name}")
+    barrier(f"gift_jax data artifact {path.name}")
     return path
 
 

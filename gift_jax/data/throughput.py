@@ -8,14 +8,20 @@ Two numbers per tokenizer, both in tokens per second:
 * :func:`tokenize_tokens_per_s` -- the one-time tokenization pass over a split
   (:func:`~gift_jax.data.tokenized.tokenize_split`): what every step would cost if the text
   were tokenized on the fly instead of once at prepare time.
+
+and for the streaming pipeline (``bench_stream.py``): :func:`stream_tokens_per_s` (steady
+state, reading and tokenizing included, with a given worker count) and
+:func:`process_tree_rss` (the host memory of the pipeline's processes).
 """
 
 from __future__ import annotations
 
 import io
+import os
 import time
 
 from gift_jax.data.pipeline import batch_iterator
+from gift_jax.data.stream import stream_batches
 from gift_jax.data.tokenized import tokenize_split
 
 
@@ -38,3 +44,47 @@ def tokenize_tokens_per_s(source, tokenizer, split: str = "validation") -> tuple
     t0 = time.perf_counter()
     n = tokenize_split(source, split, tokenizer, io.BytesIO())
     return n / (time.perf_counter() - t0), n
+
+
+def stream_tokens_per_s(source, global_batch: int, seq_len: int, *, workers: int,
+                        batches: int = 20, seed: int = 0, split: str = "train"
+                        ) -> tuple[float, int]:
+    """``(training tokens per second, peak bytes)`` of ``batches`` batches of the streaming
+    pipeline with ``workers`` worker processes, after its first batch (start-up excluded).
+    Peak bytes: the largest resident memory of this process and its workers together, sampled
+    after every batch (:func:`process_tree_rss`)."""
+    it = stream_batches(source, split, global_batch, seq_len, seed=seed, workers=workers)
+    next(it)
+    peak = process_tree_rss()
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+        peak = max(peak, process_tree_rss())
+    return global_batch * seq_len * batches / (time.perf_counter() - t0), peak
+
+
+def process_tree_rss(pid: int | None = None) -> int:
+    """Resident bytes of process ``pid`` (default: this one) and all its descendants, from
+    ``/proc`` (0 where it is unavailable)."""
+    pid = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))  # field 4: ppid
+        rss[int(entry)] = int(fields[21]) * page  # field 24: rss in pages
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo.extend(children.get(p, []))
+    return total
