@@ -33,6 +33,7 @@ Beam-free ``GeneratorBasedBuilder`` path and never imports ``tensorflow``. Readi
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -45,7 +46,7 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 
 from gift_jax.data.errors import DataError
-from gift_jax.data.storage import barrier
+from gift_jax.data.storage import first_then_rest
 
 log = logging.getLogger(__name__)
 
@@ -132,21 +133,27 @@ class GiftText(tfds.core.GeneratorBasedBuilder):
 def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, str]:
     """Prepares ``config`` in ArrayRecord format under ``data_dir`` (idempotent).
 
-    Process 0 of a job builds; the others wait on a barrier of JAX's runtime and then find it
-    prepared (TFDS writes into a temporary directory and renames it when complete). Returns
-    ``(tfds_name, data_dir)`` such that ``tfds.data_source(tfds_name, data_dir=data_dir)``
-    reads it.
+    Process 0 of a job prepares first while the others wait on a barrier of JAX's runtime; a
+    process that then does not find it (a host with its own local disk) prepares its own copy.
+    Separate jobs preparing into one local directory at once serialize on a lock file there
+    (the local builders always write to a local directory). Returns ``(tfds_name, data_dir)``
+    such that ``tfds.data_source(tfds_name, data_dir=data_dir)`` reads it.
     """
-    import jax
-
     data_dir = os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
     if config.directory is not None:
         split_text_files(config.directory)  # Fail early, before TFDS creates any directory.
-    if jax.process_index() == 0:
+
+    def build() -> None:
         os.makedirs(data_dir, exist_ok=True)
-        builder = GiftText(config=config, data_dir=data_dir, file_format="array_record")
-        builder.download_and_prepare()
-    barrier(f"gift_jax prepared {config.name}")
+        with open(os.path.join(data_dir, f".{BUILDER_NAME}-{config.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:  # a no-op when another job has prepared it meanwhile
+                GiftText(config=config, data_dir=data_dir,
+                         file_format="array_record").download_and_prepare()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    first_then_rest(build, f"gift_jax prepared {config.name}")
     return f"{BUILDER_NAME}/{config.name}:{VERSION}", data_dir
 
 

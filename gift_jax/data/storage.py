@@ -3,14 +3,16 @@
 Paths go through ``etils.epath`` (``gs://`` and other object stores as well as local files), and
 processes coordinate through JAX's runtime, never through file locks (which do not span hosts
 with separate disks and do not exist on object storage): process 0 builds a missing artifact
-and writes it atomically (a temporary name, then a rename); the other processes wait on a
-barrier and read it. Separate jobs that share a cache build the same bytes (the builders are
-deterministic), so whichever rename lands last leaves the same file.
+and writes it atomically (a temporary name, then a rename) while the other processes wait on
+a barrier; a process that then still does not see it (a host whose cache is on its own local
+disk) builds its own copy. The builders are deterministic, so every copy, and whichever rename
+of concurrent separate jobs lands last, holds the same bytes.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 from etils import epath
@@ -28,30 +30,43 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def first_then_rest(build: Callable[[], None], name: str) -> None:
+    """Runs ``build`` on process 0, waits for every process (barrier ``name``), then on the
+    other processes (``build`` must be a no-op where its result exists already)."""
+    import jax
+
+    if jax.process_index() == 0:
+        build()
+    barrier(name)
+    if jax.process_index() != 0:
+        build()
+
+
 def cached(path: str | os.PathLike, build: Callable[[epath.Path], None], what: str
            ) -> epath.Path:
-    """``path``, built by process 0 with ``build(tmp)`` (which writes the artifact to ``tmp``)
-    when it is missing; every process returns once it exists.
+    """``path``, built with ``build(tmp)`` (which writes the artifact to ``tmp``) where it is
+    missing: first by process 0, then by any process that still does not see it.
 
     Raises:
       DataError: one line naming ``what`` and ``path`` when the storage cannot be reached
         (e.g. object storage without credentials).
     """
-    import jax
-
     path = epath.Path(path)
-    try:
-        if jax.process_index() == 0 and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f"{path.name}.{os.getpid()}.tmp"
-            build(tmp)
-            tmp.rename(path)
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - storage back ends raise many kinds of errors
-        raise DataError(f"{what} {str(path)!r} cannot be written: {type(e).__name__}: "
-                        f"{first_line(e)}{credentials_hint(path)}") from None
-    barrier(f"gift_jax data artifact {path.name}")
+
+    def make() -> None:
+        try:
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.parent / f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+                build(tmp)
+                tmp.rename(path)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - storage back ends raise many kinds of errors
+            raise DataError(f"{what} {str(path)!r} cannot be written: {type(e).__name__}: "
+                            f"{first_line(e)}{credentials_hint(path)}") from None
+
+    first_then_rest(make, f"gift_jax data artifact {path.name}")
     return path
 
 
