@@ -18,26 +18,22 @@ JSON-lines text and its TFDS ArrayRecord copy, then
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import sys
 import time
 
-if "jax" not in sys.modules:  # simulate a data-parallel mesh on the CPU when no accelerator
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-
-from gift_jax.apps.step_timing import step_times  # noqa: E402
-from gift_jax.data import get_source, stream_batches  # noqa: E402
-from gift_jax.data.source import artifact_dir  # noqa: E402
-from gift_jax.data.stream import default_workers  # noqa: E402
-from gift_jax.data.synthetic import write_corpus  # noqa: E402
-from gift_jax.data.throughput import stream_tokens_per_s, tokenize_tokens_per_s  # noqa: E402
-from gift_jax.models import count_params  # noqa: E402
-from gift_jax.models.llama import LlamaConfig  # noqa: E402
-from gift_jax.training.config import apply_overrides, complete_config, load_config  # noqa: E402
-from gift_jax.training.mesh import make_mesh  # noqa: E402
+from gift_jax.apps.step_timing import step_times
+from gift_jax.data import get_source, stream_batches
+from gift_jax.data.source import artifact_dir
+from gift_jax.data.stream import default_workers
+from gift_jax.data.synthetic import write_corpus
+from gift_jax.data.throughput import stream_tokens_per_s, tokenize_tokens_per_s
+from gift_jax.models import count_params
+from gift_jax.models.llama import LlamaConfig
+from gift_jax.training.config import apply_overrides, complete_config, load_config
+from gift_jax.training.mesh import make_mesh
+from gift_jax.utils.cpu_devices import simulate_cpu_devices
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -59,6 +55,7 @@ def main(argv=None):
     ap.add_argument("--peak_tflops", type=float, default=459.0, help="v5p bf16 peak per chip")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization")
     args = ap.parse_args(argv)
+    simulate_cpu_devices(8)  # the train step on a data-parallel mesh of the CPU
     out = pathlib.Path(args.out).resolve()
     command = "python " + " ".join(["scripts/bench_stream.py", *(argv or sys.argv[1:])])
     config = complete_config(load_config(args.config, CONFIGS))

@@ -622,11 +622,13 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Closes the progress bar, the metrics writer and the checkpointer."""
+        """Closes the progress bar, the metrics writer and the checkpointer, and lets the train
+        iterator go (the stream pipeline's worker processes end with it)."""
         for part in ("progress", "writer", "checkpointer"):
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()
+        self._train_it = None
 
 
 def train(
