@@ -174,3 +174,24 @@ def test_trainer_resumes_the_stream_bit_exactly(tmp_path):
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_json_lines_are_one_record_each(tmp_path):
+    """``text:DIR`` reads ``.jsonl`` / ``.json.gz`` files (allenai/c4's layout) as one record
+    per line; a line that is not a JSON object with "text" is one line naming file and line."""
+    import gzip
+
+    from gift_jax.data import get_source
+
+    corpus = tmp_path / "c4"
+    corpus.mkdir()
+    docs = [f"document {i} " * 3 for i in range(40)]
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:20]))
+    with gzip.open(corpus / "b.json.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": d, "url": "x"}) + "\n" for d in docs[20:]))
+    source = get_source(f"text:{corpus}", str(tmp_path / "dd"))
+    got = sorted(d.decode() for s in source.splits for d in source.documents(s))
+    assert got == sorted(docs)
+    (corpus / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"c.jsonl line 2 is not a JSON object with a \"text\""):
+        get_source(f"text:{tmp_path / 'c4'}", str(tmp_path / "dd2"))

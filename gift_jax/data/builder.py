@@ -7,8 +7,9 @@ One builder, ``gift_text``, with one config per corpus:
   Markdown markup is stripped; one record per play. The plays in :data:`VALIDATION_PLAYS` are
   the validation split, all others the train split.
 * ``text_<dirname>_<hash>`` -- every non-hidden regular file under a local directory (recursive),
-  one record per file, decoded as UTF-8 (invalid bytes replaced); a ``.jsonl`` file holds one
-  document per line (the ``"text"`` field of each JSON object, C4's raw layout). The config is
+  one record per file, decoded as UTF-8 (invalid bytes replaced); a ``.jsonl``, ``.jsonl.gz``
+  or ``.json.gz`` file holds one document per line (the ``"text"`` field of each JSON object:
+  the layout of allenai/c4's files). The config is
   keyed by the directory's absolute path. Files are split deterministically by the SHA-1 of
   their relative path: the ``max(1, n // 20)`` files with the smallest digests are the
   validation split.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -55,6 +57,9 @@ VERSION = "1.0.0"
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "gift_jax", "tfds")
 
 #: Held-out plays: one tragedy, one Roman play, one romance, one comedy (about 10% of the text).
+#: Files of one JSON document per line (``{"text": ...}``; allenai/c4's ``*.json.gz``).
+JSON_LINES = (".jsonl", ".jsonl.gz", ".json.gz")
+
 VALIDATION_PLAYS = ("hamlet", "julius-caesar", "the-tempest", "twelfth-night")
 
 
@@ -233,7 +238,7 @@ def split_text_files(directory: str) -> tuple[list[str], list[str]]:
 def _read_files(directory: str, files: list[str]) -> Iterator[tuple[str, str]]:
     for rel in files:
         path = os.path.join(directory, rel)
-        if rel.endswith(".jsonl"):  # one document per line, C4's raw layout
+        if rel.endswith(JSON_LINES):  # one document per line, C4's raw layout
             yield from _json_lines(path, rel)
             continue
         with open(path, "rb") as f:
@@ -243,7 +248,8 @@ def _read_files(directory: str, files: list[str]) -> Iterator[tuple[str, str]]:
 
 def _json_lines(path: str, rel: str) -> Iterator[tuple[str, str]]:
     """``(rel:LINE, text)`` of each JSON line of ``path`` (its ``"text"`` field)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -251,6 +257,6 @@ def _json_lines(path: str, rel: str) -> Iterator[tuple[str, str]]:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError):
                 raise DataError(f"--data text:DIR: {path} line {number} is not a JSON object "
-                                'with a "text" field (.jsonl files hold one document per '
-                                "line)") from None
+                                f'with a "text" field ({", ".join(JSON_LINES)} files hold one '
+                                "document per line)") from None
             yield f"{rel}:{number}", str(text).replace("\x00", "")
