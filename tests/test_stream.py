@@ -65,6 +65,7 @@ def test_resume_from_a_saved_state_is_exact(corpus):
     _take(it, 13)
     saved = json.dumps(global_state([it.state()]))
     again = stream_batches(corpus, "train", state=saved, workers=1, **kw)
+    assert global_state([again.state()]) == json.loads(saved)  # before it reads anything
     assert _same(_take(again, 17), ref[13:])
     # saved by 2 processes, resumed by 3: the state names global lanes
     parts = [stream_batches(corpus, "train", process_index=p, process_count=2, **kw)

@@ -172,8 +172,10 @@ class LaneBatches:
         for lane, queue in enumerate(self._lanes):
             if queue:
                 first, consumed = queue[0][0], queue[0][2]
-            else:  # its next document is the first of this lane not read yet
+            else:  # its next document is the first of this lane not read yet ...
                 first, consumed = self._next_doc + (lane - self._next_doc) % self._local, 0
+                if self._resume is not None and first <= self._resume[lane][0]:
+                    first, consumed = self._resume[lane]  # ... or the resumed position
             lanes.append([int(first // self._local), int(consumed)])
         return {"first_lane": self._layout.first, "lanes": lanes}
 
