@@ -5,7 +5,8 @@ JSON-lines text and its TFDS ArrayRecord copy, then
   the tokenizer on the first 20 MB of the train split, starting the workers, reading and
   tokenizing the documents of the first batch;
 * steady-state tokens/s of the pipeline per host with each --workers count, against the
-  config's train step on this host (``step_times``, at --train_batch sequences), and the
+  config.s train step on this host (``step_times`` on one CPU device, at --train_batch
+  sequences), and the
   pipeline's peak memory (this process and its workers);
 * today's grid pipeline for comparison: its first batch needs the whole train split tokenized
   (rate measured on the validation split, single process);
@@ -23,6 +24,8 @@ import shutil
 import sys
 import time
 
+import jax
+
 from gift_jax.apps.step_timing import step_times
 from gift_jax.data import get_source, stream_batches
 from gift_jax.data.source import artifact_dir
@@ -33,7 +36,6 @@ from gift_jax.models import count_params
 from gift_jax.models.llama import LlamaConfig
 from gift_jax.training.config import apply_overrides, complete_config, load_config
 from gift_jax.training.mesh import make_mesh
-from gift_jax.utils.cpu_devices import simulate_cpu_devices
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -55,7 +57,6 @@ def main(argv=None):
     ap.add_argument("--peak_tflops", type=float, default=459.0, help="v5p bf16 peak per chip")
     ap.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization")
     args = ap.parse_args(argv)
-    simulate_cpu_devices(8)  # the train step on a data-parallel mesh of the CPU
     out = pathlib.Path(args.out).resolve()
     command = "python " + " ".join(["scripts/bench_stream.py", *(argv or sys.argv[1:])])
     config = complete_config(load_config(args.config, CONFIGS))
@@ -74,21 +75,27 @@ def main(argv=None):
     result["train_documents"] = byte_source.num_docs("train")
     print(json.dumps(result), flush=True)
 
+    # the train step first, while no worker process competes for the cores
+    step_config = apply_overrides(config, [("train.global_batch_size", str(args.train_batch)),
+                                           ("mesh.data", "1")])
+    mesh = make_mesh(devices=jax.devices()[:1])
+    row = step_times({"train": step_config}, mesh, repeats=args.repeats)[0]
+    step_tps = args.train_batch * tc.seq_len / row["ordinary_median"]
+    result["train_step_tokens_per_s"] = step_tps
+
     shutil.rmtree(artifact_dir(byte_source), ignore_errors=True)  # no prior cache
     workers = [int(w) for w in args.workers.split(",")]
     start = time.perf_counter()
     source = get_source(spec, data_dir, tokenizer=args.tokenizer)
     result["tokenizer_s"] = time.perf_counter() - start
-    batch = next(stream_batches(source, "train", tc.global_batch_size, tc.seq_len,
-                                workers=max(workers)))
+    first = stream_batches(source, "train", tc.global_batch_size, tc.seq_len,
+                           workers=max(workers))
+    batch = next(first)
     result["first_batch_s"] = time.perf_counter() - start
     assert batch.shape == (tc.global_batch_size, tc.seq_len + 1)
+    del first  # its worker processes end before the timed runs
     print(json.dumps(result), flush=True)
 
-    step_config = apply_overrides(config, [("train.global_batch_size", str(args.train_batch))])
-    row = step_times({"train": step_config}, make_mesh(), repeats=args.repeats)[0]
-    step_tps = args.train_batch * tc.seq_len / row["ordinary_median"]
-    result["train_step_tokens_per_s"] = step_tps
     result["rows"] = []
     for count in dict.fromkeys(workers):
         tps, peak = stream_tokens_per_s(source, tc.global_batch_size, tc.seq_len,
