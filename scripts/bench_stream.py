@@ -5,9 +5,8 @@ JSON-lines text and its TFDS ArrayRecord copy, then
   the tokenizer on the first 20 MB of the train split, starting the workers, reading and
   tokenizing the documents of the first batch;
 * steady-state tokens/s of the pipeline per host with each --workers count, against the
-  config.s train step on this host (``step_times`` on one CPU device, at --train_batch
-  sequences), and the
-  pipeline's peak memory (this process and its workers);
+  config's train step on this host (``step_times`` on one CPU device, at --train_batch
+  sequences), and the pipeline's peak memory (this process and its workers);
 * today's grid pipeline for comparison: its first batch needs the whole train split tokenized
   (rate measured on the validation split, single process);
 * arithmetic for a pod: time to the first step and the host cores the pipeline needs for
