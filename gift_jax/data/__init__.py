@@ -37,7 +37,7 @@ __all__ = [
     "batch_iterator",
     "get_source",
     "get_tokenizer",
-    "stream_batches",
     "padded_vocab_size",
+    "stream_batches",
     "vocab_mismatch",
 ]

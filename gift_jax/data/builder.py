@@ -9,10 +9,9 @@ One builder, ``gift_text``, with one config per corpus:
 * ``text_<dirname>_<hash>`` -- every non-hidden regular file under a local directory (recursive),
   one record per file, decoded as UTF-8 (invalid bytes replaced); a ``.jsonl``, ``.jsonl.gz``
   or ``.json.gz`` file holds one document per line (the ``"text"`` field of each JSON object:
-  the layout of allenai/c4's files). The config is
-  keyed by the directory's absolute path. Files are split deterministically by the SHA-1 of
-  their relative path: the ``max(1, n // 20)`` files with the smallest digests are the
-  validation split.
+  the layout of allenai/c4's files). The config is keyed by the directory's absolute path.
+  Files are split deterministically by the SHA-1 of their relative path: the
+  ``max(1, n // 20)`` files with the smallest digests are the validation split.
 
 Records are ``{"id": <play slug or relative path>, "text": <text>}``, written in generation
 order (shuffling disabled) with ``file_format="array_record"``. Preparing is idempotent:
@@ -57,10 +56,10 @@ VERSION = "1.0.0"
 DEFAULT_DATA_DIR = os.path.join("~", ".cache", "gift_jax", "tfds")
 
 #: Held-out plays: one tragedy, one Roman play, one romance, one comedy (about 10% of the text).
+VALIDATION_PLAYS = ("hamlet", "julius-caesar", "the-tempest", "twelfth-night")
+
 #: Files of one JSON document per line (``{"text": ...}``; allenai/c4's ``*.json.gz``).
 JSON_LINES = (".jsonl", ".jsonl.gz", ".json.gz")
-
-VALIDATION_PLAYS = ("hamlet", "julius-caesar", "the-tempest", "twelfth-night")
 
 
 @dataclasses.dataclass(eq=False)

@@ -105,9 +105,9 @@ class TokenSource:
 
     def documents(self, split: str, start: int = 0, stop: int | None = None) -> list[bytes]:
         """The UTF-8 text of documents ``[start, stop)`` of ``split``, in record order."""
-        records = self._records(split)
-        stop = len(records) if stop is None else min(stop, len(records))
-        return self.reader(split).get(range(start, stop))
+        reader = self.reader(split)
+        stop = len(reader) if stop is None else min(stop, len(reader))
+        return reader.get(range(start, stop))
 
     def read(self, split: str, starts, length: int) -> np.ndarray:
         """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start."""
@@ -149,10 +149,11 @@ class TokenSource:
                 self._offsets[split] = offsets
                 return offsets
         lengths = np.empty(n, dtype=np.int64)
+        reader = self.reader(split)
         chunks: list[bytes] | None = []
         total = 0
         for lo in range(0, n, _CHUNK):
-            docs = self.reader(split).get(range(lo, min(n, lo + _CHUNK)))
+            docs = reader.get(range(lo, min(n, lo + _CHUNK)))
             lengths[lo : lo + len(docs)] = [len(d) + 1 for d in docs]
             total += int(lengths[lo : lo + len(docs)].sum())
             if chunks is not None and total <= self._materialize_bytes:
