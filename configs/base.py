@@ -143,5 +143,8 @@ def get_config() -> ml_collections.ConfigDict:
     # "stream": documents read, tokenized and packed as training consumes them (grain workers)
     data.pipeline = "grid"
     data.workers = -1  # stream: worker processes that read and tokenize (-1: the host's cores)
+    # stream: a local directory where a background process caches the ids per shard of
+    # documents while training runs (later epochs and runs read them); "": no cache
+    data.id_cache = ""
 
     return config

@@ -7,6 +7,8 @@ JSON-lines text and its TFDS ArrayRecord copy, then
 * steady-state tokens/s of the pipeline per host with each --workers count, against the
   config's train step on this host (``step_times`` on one CPU device, at --train_batch
   sequences), and the pipeline's peak memory (this process and its workers);
+* the same pipeline reading its ids from a complete per-shard id cache (``data.id_cache``;
+  the time to build it for the whole train split in one process is reported too);
 * today's grid pipeline for comparison: its first batch needs the whole train split tokenized
   (rate measured on the validation split, single process);
 * arithmetic for a pod: time to the first step and the host cores the pipeline needs for
@@ -27,10 +29,12 @@ import jax
 
 from gift_jax.apps.step_timing import step_times
 from gift_jax.data import get_source, stream_batches
+from gift_jax.data.id_cache import ShardedIds, build_shards, cache_folder
 from gift_jax.data.source import artifact_dir
 from gift_jax.data.stream import default_workers
 from gift_jax.data.synthetic import write_corpus
 from gift_jax.data.throughput import stream_tokens_per_s, tokenize_tokens_per_s
+from gift_jax.data.tokenized import stream_dtype
 from gift_jax.models import count_params
 from gift_jax.models.llama import LlamaConfig
 from gift_jax.training.config import apply_overrides, complete_config, load_config
@@ -103,6 +107,20 @@ def main(argv=None):
                                "over_step": tps / step_tps})
         print(json.dumps(result["rows"][-1]), flush=True)
 
+    reader = source.source.reader("train")  # the id cache, built whole, then read
+    cache = ShardedIds(cache_folder(str(out / "ids"), source.tokenizer, source.source,
+                                    "train", len(reader)), stream_dtype(source.vocab_size))
+    shutil.rmtree(cache.folder, ignore_errors=True)
+    start = time.perf_counter()
+    build_shards(reader, source.tokenizer, cache, list(range(cache.num_shards(len(reader)))))
+    result["id_cache_build_s"] = time.perf_counter() - start
+    count = max(workers)
+    tps, peak = stream_tokens_per_s(source, tc.global_batch_size, tc.seq_len, workers=count,
+                                    batches=args.batches, id_cache=str(out / "ids"))
+    result["rows"].append({"workers": count, "id_cache": True, "tokens_per_s": tps,
+                           "peak_bytes": peak, "over_step": tps / step_tps})
+    print(json.dumps(result["rows"][-1]), flush=True)
+
     rate, tokens = tokenize_tokens_per_s(source.source, source.tokenizer)
     val_bytes = sum(len(d) for d in source.source.documents("validation"))
     train_tokens = tokens / val_bytes * (result["corpus_bytes"] - val_bytes)
@@ -114,7 +132,8 @@ def main(argv=None):
     flops = 6 * count_params(LlamaConfig.from_mapping(pod.model)) * step_tokens
     step_s = flops / (args.pod_chips * args.peak_tflops * 1e12 * args.mfu)
     per_host = step_tokens / step_s / (args.pod_chips / 4)
-    per_worker = max(r["tokens_per_s"] / max(r["workers"], 1) for r in result["rows"])
+    per_worker = max(r["tokens_per_s"] / max(r["workers"], 1) for r in result["rows"]
+                     if not r.get("id_cache"))
     result["pod"] = {"config": args.pod_config, "chips": args.pod_chips, "step_s": step_s,
                      "host_tokens_per_s": per_host, "cores_needed": per_host / per_worker}
     (out / "bench_stream.json").write_text(json.dumps(result, indent=1))
@@ -125,8 +144,9 @@ def main(argv=None):
 
 def _markdown(r: dict, args) -> str:
     rows = "\n".join(
-        f"| {x['workers']} | {x['tokens_per_s']:,.0f} | {x['over_step']:.1f} | "
-        f"{x['peak_bytes'] / 2**20:,.0f} |" for x in r["rows"])
+        f"| {x['workers']}{' (id cache)' if x.get('id_cache') else ''} | "
+        f"{x['tokens_per_s']:,.0f} | {x['over_step']:.1f} | {x['peak_bytes'] / 2**20:,.0f} |"
+        for x in r["rows"])
     grid, pod = r["grid"], r["pod"]
     return f"""<!-- {r['command']} -->
 Corpus: {r['corpus_bytes'] / 2**30:.2f} GiB of generated JSON lines, {r['train_documents']:,}
@@ -138,6 +158,9 @@ copy). Host: {r['host_cores']} cores. Tokenizer `{args.tokenizer}`, no prior cac
 - Today's grid pipeline would first tokenize the whole train split: {grid['first_batch_s']:,.0f} s
   here ({grid['tokenize_tokens_per_s']:,.0f} tokens/s in one process,
   {grid['tokens_per_byte']:.3f} tokens per byte).
+
+The id cache of the whole train split (`data.id_cache`) took {r['id_cache_build_s']:,.0f} s to
+build in one process; the row marked "id cache" reads every id from it.
 
 Train step of `{args.config}` here: {r['train_step_tokens_per_s']:,.0f} tokens/s.
 

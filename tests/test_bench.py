@@ -89,7 +89,9 @@ def test_bench_stream_script_smoke(tmp_path):
     report = json.loads((tmp_path / "bench_stream.json").read_text())
     assert report["corpus_bytes"] >= 0.004 * 2**30 and report["train_documents"] > 1000
     assert 0 < report["tokenizer_s"] < report["first_batch_s"]
-    assert [r["workers"] for r in report["rows"]] == [0, 1]
+    assert [(r["workers"], r.get("id_cache", False)) for r in report["rows"]] == [
+        (0, False), (1, False), (1, True)]
+    assert report["id_cache_build_s"] > 0
     assert all(r["tokens_per_s"] > 0 and r["peak_bytes"] > 0 for r in report["rows"])
     assert report["grid"]["first_batch_s"] > report["tokenizer_s"]
     assert report["pod"]["cores_needed"] > 0

@@ -10,9 +10,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.comm.stage import allreduce
+from gift_jax.comm.stage import allreduce, matrices_only
 from gift_jax.whitening.stage import gift, whitened_fraction
-from tests.test_gift import KERNEL, D, N, _data, _kernel, _mesh, _params
+from tests.test_gift import KERNEL, D, M, N, _data, _kernel, _mesh, _params
 
 CODEC = "fp8_e4m3"
 
@@ -127,6 +127,45 @@ def test_routing_measures_the_reduced_transport_ring_included(accumulate):
     assert (err == err[:1]).all()
     np.testing.assert_allclose(err[0, 0, 0], want, rtol=1e-4)
     assert err[0, 1, 0] > 0
+
+
+@pytest.mark.parametrize("accumulate,extra", [
+    ("fp32", {"block_size": 32}), ("fp8", {"bucket_elems": 64}), ("fp32", {"policy": True})])
+def test_recorded_route_errors_are_the_errors_the_step_produces(accumulate, extra):
+    """Both errors the router records (Euclidean, whitened) are, to 1e-6, the errors of the
+    real step's reduction of the whole gradient tree that way, although the trial packs only
+    the selected leaves (other buckets, shard owners and ring order): scales are per leaf or
+    per block, and the sums do not depend on which replica owns a row. Block scaling, several
+    buckets, the FP8 ring and a policy that sends the vectors exact; the gradient is not
+    aligned with the input factor (whitening with a rotated input's factor)."""
+    kw = dict(codec=CODEC, accumulate=accumulate, global_scale=accumulate == "fp8", **extra)
+    if extra.get("policy"):
+        kw["policy"] = matrices_only(CODEC)  # vectors exact: other buckets than the trial's
+    g, _ = _data(0)
+    _, a = _data(7)
+    grads = _grads(g)
+    rng = np.random.default_rng(1)
+    grads["embed"] = jnp.asarray(rng.standard_normal((D, 5, N)), jnp.float32)
+    grads["layers"]["0"]["mlp"]["down_proj"]["bias"] = jnp.asarray(
+        rng.standard_normal((D, M)), jnp.float32)
+    exact = np.mean(np.asarray(g, np.float64), axis=0)
+
+    def error(out):
+        k = np.asarray(_kernel(out), np.float64)
+        assert (k == k[:1]).all()
+        return np.linalg.norm(k[0] - exact) / np.linalg.norm(exact)
+
+    routed = gift(allreduce("data", **kw), rank=4, ema=0.0, route_frame="euclidean")
+    _, st = _per_device_step(routed, [])(grads, _per_device_init(routed), a)
+    recorded = np.asarray(st.route_error[KERNEL])[0, :, 0]  # [Euclidean, whitened]
+    plain = allreduce("data", **kw)
+    euclidean = jax.jit(jax.shard_map(
+        lambda x: jax.tree.map(lambda y: y[None], plain.update(
+            jax.tree.map(lambda y: y[0], x), plain.init(jax.tree.map(lambda y: y[0], x)))[0]),
+        mesh=_mesh(), in_specs=P("data"), out_specs=P("data"), check_vma=False))(grads)
+    always = gift(allreduce("data", **kw), rank=4, ema=0.0)
+    whitened, _ = _per_device_step(always, [])(grads, _per_device_init(always), a)
+    np.testing.assert_allclose(recorded, [error(euclidean), error(whitened)], rtol=1e-6)
 
 
 def test_bad_route_settings():

@@ -22,14 +22,14 @@ def test_artifact_is_built_once_atomically_and_reused(tmp_path):
     cached(tmp_path / "cache" / "spm.model", lambda tmp: pytest.fail("rebuilt"), "the tokenizer")
 
 
-def test_unreachable_storage_is_one_line(tmp_path):
+def test_unreachable_storage_is_one_line(tmp_path, gcs_bucket):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(DataError) as err:
         cached(tmp_path / "file" / "spm.model", lambda tmp: tmp.write_bytes(b""), "the tokenizer")
     assert "the tokenizer" in str(err.value) and "cannot be written" in str(err.value)
     assert "\n" not in str(err.value)
-    with pytest.raises(DataError) as err:  # no object-store client here (or no credentials)
+    with pytest.raises(DataError) as err:  # a bucket this account cannot see
         get_source("tfds:c4/en", "gs://gift-jax-no-such-bucket/tfds")
     message = str(err.value)
-    assert message.startswith("--data_dir 'gs://gift-jax-no-such-bucket/tfds' cannot be read")
+    assert message.startswith("--data_dir 'gs://gift-jax-no-such-bucket/tfds' does not exist")
     assert "credentials" in message and "\n" not in message

@@ -6,12 +6,14 @@ bad input as one line, and bit-exact trainer resume."""
 import json
 import os
 import runpy
+import signal
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from gift_jax.data import DataError, TokenizedSource, TokenSource, get_tokenizer, stream_batches
+from gift_jax.data.id_cache import ShardedIds, cache_folder
 from gift_jax.data.stream import CHUNK_DOCS, LaneLayout, global_state
 
 pytest.importorskip("grain")
@@ -116,6 +118,43 @@ def test_documents_pack_into_lanes_empty_and_long_ones_included():
         next(stream_batches(source, "validation", 8, 4, loop=False))
 
 
+class _CachedOnly:
+    """The tokenizer it wraps, but it refuses to tokenize: every id must come from the cache."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def encode_batch(self, texts):
+        if texts:
+            raise AssertionError(f"tokenized {len(texts)} documents despite the id cache")
+        return []
+
+
+def test_id_cache_fills_in_the_background_and_changes_no_batch(corpus, tmp_path):
+    pytest.importorskip("sentencepiece")
+    tokenizer = get_tokenizer("spm:300", corpus, str(tmp_path))
+    source = TokenizedSource(corpus, tokenizer)
+    kw = dict(global_batch=8, seq_len=16, seed=5)
+    ref = _take(stream_batches(source, "train", **kw), 40)  # about two epochs
+    cache_dir = str(tmp_path / "ids")
+    it = stream_batches(source, "train", id_cache=cache_dir, shard_docs=32, **kw)
+    assert _same(_take(it, 40), ref)  # while the builder process fills the cache
+    it._builder.join(timeout=120)
+    cache = ShardedIds(cache_folder(cache_dir, tokenizer, corpus, "train", 280),
+                       np.uint16, 32)
+    assert all(cache.complete(s) for s in range(9)) and not cache.complete(9)
+    it.close()
+    cached = TokenizedSource(corpus, _CachedOnly(tokenizer))
+    again = stream_batches(cached, "train", id_cache=cache_dir, shard_docs=32, **kw)
+    assert again._builder is None  # nothing left to build
+    assert _same(_take(again, 40), ref)
+    with pytest.raises(DataError, match=r"data\.id_cache='gs://b/ids' must be a local dir"):
+        stream_batches(source, "train", id_cache="gs://b/ids", **kw)
+
+
 class _Failing(Sequence):
     def __len__(self):
         return 1000
@@ -124,6 +163,32 @@ class _Failing(Sequence):
         if i >= 200:
             raise OSError("disk went away")
         return "some text"
+
+
+class _KilledInWorker(Sequence):
+    """Reading document 200 in a worker process kills that process (SIGKILL: the OOM
+    killer's signal), which no Python handler in the worker can report."""
+
+    def __init__(self):
+        self.parent = os.getpid()
+
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        if i >= 200 and os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "some text"
+
+
+def test_worker_killed_by_a_signal_is_one_line():
+    source = TokenSource({"train": _KilledInWorker()}, name="oom")
+    it = stream_batches(source, "train", 2, 300, shuffle=False, workers=1)
+    with pytest.raises(DataError) as err:
+        _take(it, 20)
+    message = str(err.value)
+    assert "\n" not in message and "a data worker failed" in message, message
+    assert "exit code -9" in message, message
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -14,14 +14,15 @@ import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from etils import epath
+
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
     """The records of a run's ``metrics.jsonl``."""
-    path = pathlib.Path(workdir) / "metrics.jsonl"
+    path = epath.Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is {workdir} a training workdir?)")
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def unique_labels(labels: Sequence[str]) -> list[str]:

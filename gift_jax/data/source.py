@@ -35,7 +35,7 @@ import numpy as np
 from etils import epath
 
 from gift_jax.data.errors import DataError
-from gift_jax.data.storage import credentials_hint, first_line
+from gift_jax.data.storage import credentials_hint, first_line, local_or_url
 from gift_jax.data.tokenizer import SEPARATOR, VOCAB_SIZE
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,11 @@ class TokenSource:
             os.replace(tmp, cache)
         self._offsets[split] = offsets
         return offsets
+
+    @property
+    def cache_key(self) -> str | None:
+        """What identifies the corpus in caches (its prepared directory), if known."""
+        return self._cache_key
 
     def _cache_path(self, split: str, n: int) -> str | None:
         if self._cache_key is None:
@@ -322,8 +327,7 @@ def _from_tfds(arg: str, data_dir, text_field, index_dir) -> TokenSource:
     name, _, version = arg.partition(":")
     if data_dir is None:
         data_dir = os.environ.get("TFDS_DATA_DIR", os.path.join("~", "tensorflow_datasets"))
-    if "://" not in data_dir:  # gs://... and other object stores stay as they are
-        data_dir = os.path.abspath(os.path.expanduser(data_dir))
+    data_dir = local_or_url(data_dir)
     try:
         version_dir = resolve_tfds_dir(name, version or None, data_dir)
     except DataError:
@@ -366,7 +370,8 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
     """
     root = epath.Path(data_dir)
     if not root.is_dir():
-        raise DataError(f"--data_dir {data_dir!r} does not exist (needed by --data tfds:{name})")
+        raise DataError(f"--data_dir {data_dir!r} does not exist (needed by --data tfds:{name})"
+                        f"{credentials_hint(data_dir)}")
     path = os.path.join(data_dir, *name.split("/"))
     versions = _versions(path)
     if not versions:

@@ -20,6 +20,16 @@ from etils import epath
 from gift_jax.data.errors import DataError
 
 
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an object-store URL (``gs://bucket/…``) rather than a local path."""
+    return "://" in str(path)
+
+
+def local_or_url(path: str | os.PathLike) -> str:
+    """A local path made absolute (``~`` expanded); an object-store URL as it is."""
+    return str(path) if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
 def barrier(name: str) -> None:
     """Waits for every process of the job (a no-op with one)."""
     import jax
@@ -78,7 +88,7 @@ def first_line(error: BaseException) -> str:
 
 def credentials_hint(path) -> str:
     """What to check when object storage (a ``scheme://`` path) cannot be reached."""
-    if "://" in str(path):
+    if is_remote(path):
         return ("; on object storage check the credentials (e.g. `gcloud auth "
                 "application-default login`) and that the bucket exists")
     return ""

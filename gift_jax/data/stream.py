@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from gift_jax.data import id_cache as id_cache_lib
 from gift_jax.data.errors import DataError
 from gift_jax.data.tokenized import stream_dtype
 
@@ -108,6 +109,7 @@ class ReadChunk:
     shuffle: bool
     seed: int
     endless: bool
+    cache: Any = None  # id_cache.ShardedIds: ids of documents already tokenized (or None)
 
     def __post_init__(self):
         self._order = None
@@ -125,13 +127,18 @@ class ReadChunk:
         local = range(chunk * CHUNK_DOCS, (chunk + 1) * CHUNK_DOCS)
         pairs = [(i, self.layout.position(i)) for i in local]
         pairs = [(i, g) for i, g in pairs if self.endless or g < n]
+        docs = [order[g] for _, g in pairs]
+        found = [None if self.cache is None else self.cache.get(d) for d in docs]
+        missing = [d for d, ids in zip(docs, found, strict=True) if ids is None]
         texts = [t.decode("utf-8", errors="replace")
-                 for t in self.reader.get([order[g] for _, g in pairs])]
+                 for t in (self.reader.get(missing) if missing else [])]
         dtype = stream_dtype(self.tokenizer.vocab_size)  # halves what workers send back
         eos = np.asarray([self.tokenizer.eos_id], dtype)
-        ids = self.tokenizer.encode_batch(texts) if texts else []
-        return [(i, np.concatenate([tokens.astype(dtype), eos]) if text else eos[:0])
-                for (i, _), text, tokens in zip(pairs, texts, ids, strict=True)]
+        fresh = iter([np.concatenate([tokens.astype(dtype), eos]) if text else eos[:0]
+                      for text, tokens in zip(texts, self.tokenizer.encode_batch(texts)
+                                              if texts else [], strict=True)])
+        return [(i, next(fresh) if ids is None else ids)
+                for (i, _), ids in zip(pairs, found, strict=True)]
 
 
 def _cause(error: Exception) -> str:
@@ -148,7 +155,7 @@ class LaneBatches:
 
     def __init__(self, chunks: Iterator, layout: LaneLayout, length: int,
                  resume: list[tuple[int, int]] | None, first_doc: int, describe: str,
-                 loop: bool):
+                 loop: bool, builder=None):
         self._chunks, self._layout, self._length = chunks, layout, length
         self._local = layout.local
         self._describe, self._loop = describe, loop
@@ -160,6 +167,14 @@ class LaneBatches:
         self._resume_until = max(f for f, _ in resume) if resume else -1
         self._done = False
         self._emitted = 0
+        self._builder = builder  # the id cache's background process, if any
+
+    def close(self) -> None:
+        """Stops the id cache's builder (shards it finished stay cached)."""
+        if self._builder is not None and self._builder.is_alive():
+            self._builder.terminate()
+            self._builder.join()
+        self._builder = None
 
     def __iter__(self) -> LaneBatches:
         return self
@@ -248,6 +263,8 @@ def stream_batches(
     process_count: int = 1,
     workers: int = 0,
     state: dict | str | None = None,
+    id_cache: str = "",
+    shard_docs: int = id_cache_lib.SHARD_DOCS,
 ) -> LaneBatches:
     """This process's ``int32 [global_batch // process_count, seq_len + 1]`` batches of
     ``split`` by the lane scheme of the module doc, read and tokenized by ``workers`` grain
@@ -257,7 +274,11 @@ def stream_batches(
     :class:`~gift_jax.data.tokenized.TokenizedSource` (its tokenizer; nothing is tokenized
     ahead). ``shuffle`` defaults to ``split == "train"``; ``loop=False`` ends at the first
     batch a lane cannot fill (a fixed, bounded set of windows: evaluation). ``state``: a
-    :meth:`LaneBatches.state` (or its JSON) to resume from. Bad settings raise
+    :meth:`LaneBatches.state` (or its JSON) to resume from. ``id_cache``: a local directory
+    where a background process caches the split's ids per shard while the iterator runs, and
+    from which the readers take the ids of shards already cached
+    (:mod:`gift_jax.data.id_cache`, ``shard_docs`` documents per shard; ``""``: tokenize
+    every document). Bad settings raise
     :class:`DataError`."""
     if global_batch < 1 or seq_len < 1:
         raise DataError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
@@ -301,7 +322,14 @@ def stream_batches(
     else:  # the last local document whose position is in the split
         rounds = -(-len(reader) // global_batch)
         stop = -(-rounds * local // CHUNK_DOCS)
-    read = ReadChunk(reader, layout, tokenizer, shuffle, seed, endless=loop)
+    cache = builder = None
+    if id_cache:
+        folder = id_cache_lib.cache_folder(id_cache, tokenizer, byte_source, split, len(reader))
+        cache = id_cache_lib.ShardedIds(folder, stream_dtype(tokenizer.vocab_size), shard_docs)
+        if loop:  # training; a bounded evaluation reads the cache, builds none
+            builder = id_cache_lib.start_builder(reader, tokenizer, cache, process_index,
+                                                 process_count)
+    read = ReadChunk(reader, layout, tokenizer, shuffle, seed, endless=loop, cache=cache)
     chunks = grain.MapDataset.range(first_doc // CHUNK_DOCS, max(stop, 1)).map(read)
     chunks = chunks.to_iter_dataset(grain.ReadOptions(num_threads=1,
                                                       prefetch_buffer_size=PREFETCH_CHUNKS))
@@ -309,7 +337,7 @@ def stream_batches(
         chunks = chunks.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     start = (first_doc // CHUNK_DOCS) * CHUNK_DOCS
     return LaneBatches(iter(chunks), layout, seq_len + 1, resume, start,
-                       f"split {split!r} of {source.name}", loop)
+                       f"split {split!r} of {source.name}", loop, builder)
 
 
 def global_state(states: list[dict]) -> dict:

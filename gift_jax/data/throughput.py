@@ -47,13 +47,15 @@ def tokenize_tokens_per_s(source, tokenizer, split: str = "validation") -> tuple
 
 
 def stream_tokens_per_s(source, global_batch: int, seq_len: int, *, workers: int,
-                        batches: int = 20, seed: int = 0, split: str = "train"
-                        ) -> tuple[float, int]:
+                        batches: int = 20, seed: int = 0, split: str = "train",
+                        id_cache: str = "") -> tuple[float, int]:
     """``(training tokens per second, peak bytes)`` of ``batches`` batches of the streaming
     pipeline with ``workers`` worker processes, after its first batch (start-up excluded).
     Peak bytes: the largest resident memory of this process and its workers together, sampled
-    after every batch (:func:`process_tree_rss`)."""
-    it = stream_batches(source, split, global_batch, seq_len, seed=seed, workers=workers)
+    after every batch (:func:`process_tree_rss`). ``id_cache``: read the ids from this
+    (complete) cache where it has them."""
+    it = stream_batches(source, split, global_batch, seq_len, seed=seed, workers=workers,
+                        id_cache=id_cache)
     next(it)
     peak = process_tree_rss()
     t0 = time.perf_counter()

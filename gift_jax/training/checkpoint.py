@@ -36,7 +36,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 from typing import Any
 
 import jax
@@ -46,6 +45,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from gift_jax.data.storage import local_or_url
 from gift_jax.training.config import config_differences, to_json
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,16 @@ def _everywhere(ok: bool) -> bool:
 def _file_sizes(root: epath.Path) -> dict[str, int]:
     """``{path relative to root: size}`` of every file below ``root`` (but the listing)."""
     sizes = {}
-    for folder, _, files in root.walk():
-        for name in files:
-            path = epath.Path(folder) / name
-            if path.name != FILE_LISTING:
-                sizes[str(path.relative_to(root))] = int(path.stat().length)
+
+    def visit(folder: epath.Path, prefix: str) -> None:
+        # not Path.walk: on object storage it yields folders without their gs:// scheme
+        for path in folder.iterdir():
+            if path.is_dir():
+                visit(path, f"{prefix}{path.name}/")
+            elif path.name != FILE_LISTING:
+                sizes[prefix + path.name] = int(path.stat().length)
+
+    visit(root, "")
     return sizes
 
 
@@ -141,7 +146,7 @@ class Checkpointer:
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, keep: int = 3,
                  mesh_shape: dict[str, int] | None = None):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.directory = str(epath.Path(local_or_url(workdir)) / "checkpoints")
         self.config = config
         self.mesh_shape = None if mesh_shape is None else {k: int(v) for k, v in
                                                            mesh_shape.items()}

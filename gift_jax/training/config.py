@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES
+from gift_jax.data.storage import is_remote
 from gift_jax.models import LlamaConfig
 from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
 from gift_jax.utils.tree_paths import unmatched
@@ -111,6 +112,7 @@ TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
         # documents read and tokenized as training consumes them (grain; gift_jax.data.stream)
         "pipeline": "grid",
         "workers": -1,  # stream: worker processes that read and tokenize (-1: the host's cores)
+        "id_cache": "",  # stream: local dir where ids are cached per shard as training runs
     },
 }
 
@@ -122,8 +124,11 @@ EXTEND_SCHEDULE = ("keep", "stretch")
 EXTENSION_FIELDS = frozenset({"train.num_steps", "train.extend_schedule",
                               "optimizer.schedule_steps"})
 
-#: Fields that may differ between a checkpoint and the run resuming it (cadence and output).
+#: Fields that may differ between a checkpoint and the run resuming it (cadence and output, and
+#: how the stream pipeline computes its batches, which never changes what they are).
 RUN_CONTROL_FIELDS = frozenset({
+    "data.workers",
+    "data.id_cache",
     "train.log_every",
     "train.eval_every",
     "train.eval_batches",
@@ -439,7 +444,7 @@ def _validate_plumage_gift(config) -> None:
 def _validate_tokenizer(config) -> None:
     """``data.tokenizer`` has one of the forms of :data:`gift_jax.data.tokenizer.TOKENIZER_HELP`
     (its vocabulary is checked against ``model.vocab_size`` where the trainer uses the data
-    pipeline); ``data.pipeline`` and ``data.workers`` are known values."""
+    pipeline); ``data.pipeline``, ``data.workers`` and ``data.id_cache`` are valid."""
     from gift_jax.data.tokenizer import TOKENIZER_HELP, parse_tokenizer
 
     value = config.data.get("tokenizer", "byte")
@@ -450,6 +455,14 @@ def _validate_tokenizer(config) -> None:
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < -1:
         raise ConfigError(f"data.workers={workers!r} must be an int >= -1 (-1: the host's "
                           "cores; 0: read and tokenize in the training process)")
+    id_cache = config.data.id_cache
+    if not isinstance(id_cache, str) or is_remote(id_cache):
+        raise ConfigError(f"data.id_cache={id_cache!r} must be a local directory or '' (no "
+                          "cache): a cached read is a random read per document, slower than "
+                          "tokenizing on object storage")
+    if id_cache and config.data.pipeline != "stream":
+        raise ConfigError(f"data.id_cache={id_cache!r} needs data.pipeline='stream' (the grid "
+                          "pipeline caches its whole token stream by itself)")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:

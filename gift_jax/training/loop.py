@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 
 from gift_jax.models import LlamaConfig, count_params
 from gift_jax.training.checkpoint import Checkpointer
@@ -73,7 +73,7 @@ class TrainResult:
 
 
 def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte",
-                 pipeline: str = "grid", workers: int = -1
+                 pipeline: str = "grid", workers: int = -1, id_cache: str = ""
                  ) -> tuple[BatchFn, int, tuple[str, ...]]:
     """``(batches, vocab_size, splits)`` of a :mod:`gift_jax.data` source (``--data``) under
     ``data.tokenizer`` ``tokenizer``.
@@ -85,6 +85,7 @@ def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
         documents tokenized as they are consumed; the iterator has a ``state()`` that the
         trainer checkpoints, and ``batches`` takes it back as ``state=``).
       workers: ``stream``'s worker processes (-1: the host's cores).
+      id_cache: ``stream``'s per-shard id cache (a local directory; ``""``: none).
 
     Returns:
       The batch function (see :data:`BatchFn`), the tokenizer's vocabulary and the splits.
@@ -101,7 +102,7 @@ def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
 
         def batches(split, global_batch, seq_len, *, start_step=0, state=None, **kwargs):
             it = stream_batches(source, split, global_batch, seq_len, workers=workers,
-                                state=state, **kwargs)
+                                state=state, id_cache=id_cache, **kwargs)
             if state is None and start_step:  # a position saved without its data state
                 log.info("data: replaying %d batches to reach the saved position", start_step)
                 for _ in range(start_step):
@@ -219,10 +220,9 @@ def _warn_if_nothing_to_communicate(config: ml_collections.ConfigDict,
 
 
 def _read_summary(workdir: str | None) -> dict[str, Any] | None:
-    path = os.path.join(workdir, "summary.json") if workdir else None
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+    path = epath.Path(workdir) / "summary.json" if workdir else None
+    if path and path.exists():
+        return json.loads(path.read_text())
     return None
 
 
@@ -286,7 +286,7 @@ class Trainer:
                 raise ConfigError(mismatch)
             batches, _, splits = data_batches(config.data.source, data_dir,
                                               config.data.tokenizer, config.data.pipeline,
-                                              config.data.workers)
+                                              config.data.workers, config.data.id_cache)
         if eval_split is None:
             eval_split = next((s for s in ("validation", "test") if s in splits), None)
         self.batches = batches
@@ -425,6 +425,7 @@ class Trainer:
                     self.step, {"params": self.params, "opt_state": self.opt_state},
                     data_position=self.data_position, skipped=int(self.opt_state.skipped),
                     data_state=self._data_state())
+            self.writer.flush()  # what the checkpoint covers is on storage too
 
     def _data_state(self) -> dict | None:
         """The train iterator's position as one global state (every process's lanes, gathered)
@@ -615,9 +616,8 @@ class Trainer:
         summary = self.summary()
         if self.is_main:
             if self.workdir:
-                path = os.path.join(self.workdir, "summary.json")
-                with open(path, "w", encoding="utf-8") as f:
-                    json.dump(summary, f, indent=2, default=str)
+                (epath.Path(self.workdir) / "summary.json").write_text(
+                    json.dumps(summary, indent=2, default=str))
             print("summary: " + json.dumps(summary, default=str), flush=True)
         return summary
 
@@ -628,7 +628,9 @@ class Trainer:
             obj = getattr(self, part, None)
             if obj is not None:
                 obj.close()
-        self._train_it = None
+        it, self._train_it = getattr(self, "_train_it", None), None
+        if hasattr(it, "close"):
+            it.close()
 
 
 def train(
