@@ -34,6 +34,9 @@ def gcs_bucket(monkeypatch):
     url = f"http://127.0.0.1:{port}"
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)  # gcsfs
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", url)  # orbax's TensorStore
+    # one request at a time: the emulator's conditional writes race (TensorStore's OCDBT
+    # manifest then reads "Malformed StorageGeneration")
+    monkeypatch.setenv("TENSORSTORE_GCS_REQUEST_CONCURRENCY", "1")
     gcsfs.GCSFileSystem.clear_instance_cache()
     try:
         yield "gs://gift-jax-test"

@@ -252,20 +252,22 @@ def test_resume_after_ctrl_c_is_bit_exact(tmp_path):
     assert_trees_equal(resumed.opt_state, full.opt_state)
 
 
+def _crashing(split, *args, **kwargs):
+    """The synthetic batches, but the node is lost while the sixth train batch is read."""
+    for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
+        if split == "train" and k == 5:
+            raise RuntimeError("node lost")
+        yield batch
+
+
 def test_crash_resumes_from_last_checkpoint_and_config_mismatch(tmp_path):
     config = small_config("plumage", "adamw")
     with config.unlocked():
         config.train.checkpoint_every = 2
     full = run(config, stop_after=6)
 
-    def crashing(split, *args, **kwargs):
-        for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
-            if split == "train" and k == 5:
-                raise RuntimeError("node lost")
-            yield batch
-
     with pytest.raises(RuntimeError, match="node lost"):
-        run(config, str(tmp_path), batches=crashing, stop_after=6)
+        run(config, str(tmp_path), batches=_crashing, stop_after=6)
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.isdigit()) == [2, 4]
     resumed = run(config, str(tmp_path), resume=True, stop_after=2)
@@ -291,14 +293,8 @@ def test_object_storage_workdir_end_to_end(gcs_bucket, tmp_path):
     local = run(config, str(tmp_path), stop_after=6)
     workdir = f"{gcs_bucket}/runs/fp8"
 
-    def crashing(split, *args, **kwargs):
-        for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
-            if split == "train" and k == 5:
-                raise RuntimeError("node lost")
-            yield batch
-
     with pytest.raises(RuntimeError, match="node lost"):
-        run(config, workdir, batches=crashing, stop_after=6)
+        run(config, workdir, batches=_crashing, stop_after=6)
     root = epath.Path(workdir)
     assert sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2", "4"]
