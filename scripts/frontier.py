@@ -18,6 +18,7 @@ The grid is ``--slices`` (see ``gift_jax.apps.experiments.frontier.SLICES``) or,
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pathlib
@@ -28,6 +29,18 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
+
+
+def _field_value(text: str) -> tuple[str, object]:
+    """``"train.global_batch_size=64"`` → ``("train.global_batch_size", 64)``."""
+    field, sep, value = text.partition("=")
+    if not sep or not field.startswith(("train.", "optimizer.")):
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE with a train.* or optimizer.* "
+                         "field")
+    try:
+        return field, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return field, value
 
 
 def main() -> None:
@@ -47,7 +60,11 @@ def main() -> None:
     ap.add_argument("--refresh_every", type=int, default=50)
     ap.add_argument("--min_refresh_every", type=int, default=10)
     ap.add_argument("--max_refresh_every", type=int, default=200)
-    ap.add_argument("--cpu_devices", type=int, default=8)
+    ap.add_argument("--cpu_devices", type=int, default=8,
+                    help="simulated CPU devices: the replicas R (data-parallel)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a train.*/optimizer.* override of every run (repeatable), e.g. "
+                    "train.global_batch_size=64 for 64 x 1 sequences at --cpu_devices 64")
     ap.add_argument("--report_only", action="store_true")
     ap.add_argument("--plot", default="", help="also write the Pareto plot here")
     a = ap.parse_args()
@@ -60,7 +77,8 @@ def main() -> None:
     s = F.FrontierSettings(config=a.config, steps=a.steps, eval_every=a.eval_every,
                            eval_batches=a.eval_batches, refresh_every=a.refresh_every,
                            min_refresh_every=a.min_refresh_every,
-                           max_refresh_every=a.max_refresh_every)
+                           max_refresh_every=a.max_refresh_every,
+                           train=tuple(_field_value(x) for x in a.set))
     if a.codecs or a.transports or a.accumulations or a.optimizers:
         cells = F.cross_product(_csv(a.codecs) or F.CODECS, _csv(a.transports) or F.TRANSPORTS,
                                 _csv(a.accumulations) or F.ACCUMULATIONS,
@@ -84,8 +102,8 @@ def main() -> None:
         fh.write(md + "\n")
     with open(os.path.join(a.out, "summary.json"), "w") as fh:
         json.dump({"settings": s.asdict(), "rows": rows}, fh, indent=1)
-    title = (f"{s.config}, {s.steps} steps, 8 replicas: final eval loss gap to the same seed's "
-             "fp32 run (paired 95% interval; filled = beyond seed noise)")
+    title = (f"{s.config}, {s.steps} steps, {a.cpu_devices} replicas: final eval loss gap to "
+             "the same seed's fp32 run (paired 95% interval; filled = beyond seed noise)")
     for path in filter(None, (os.path.join(a.out, "frontier.png"), a.plot)):
         F.plot_frontier(rows, path, title=title)
     print("wrote", a.out)

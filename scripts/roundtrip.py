@@ -52,6 +52,10 @@ def main(argv=None):
                     help="refresh schedules: adaptive thresholds τ")
     ap.add_argument("--min_refresh_every", type=int, default=5,
                     help="refresh schedules: the adaptive rule's minimum interval")
+    ap.add_argument("--replica_sweep", default="",
+                    help="comma list of replica counts R: the one-step round trip of Euclidean, "
+                    "full A and rank-32 A at each (the first R of --replicas captured "
+                    "replicas); writes replica_sweep.md/.json/.png")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -67,6 +71,24 @@ def main(argv=None):
         replicas=args.replicas, local_batch=args.local_batch, seed=args.seed,
         schedule_steps=args.train_steps + args.capture_steps + max(args.staleness_steps,
                                                                    args.schedule_steps))
+    if args.replica_sweep:
+        counts = [int(r) for r in args.replica_sweep.split(",")]
+        rows = rt.replica_sweep_experiment(caps, counts, codecs=args.codecs.split(","),
+                                           accumulations=args.accumulate.split(","),
+                                           damping=args.damping)
+        md = (f"<!-- {command} -->\nModel `{args.config}` after {args.train_steps} AdamW steps, "
+              f"steps {args.train_steps}..{args.train_steps + args.capture_steps - 1} captured, "
+              f"R replicas x {args.local_batch} sequences each; one-step round trip with a "
+              "fresh factor, mean over the captured steps; in brackets the change against "
+              "Euclidean at the same R.\n" + rt.replica_sweep_markdown(rows))
+        (out / "replica_sweep.md").write_text(md)
+        (out / "replica_sweep.json").write_text(json.dumps({"command": command, "rows": rows},
+                                                           indent=1, default=float))
+        rt.plot_replica_sweep(rows, str(out / "replica_sweep.png"))
+        print(md)
+        if args.skip_tables and args.staleness_steps == 0 and args.schedule_steps == 0:
+            print(f"\nwrote {out}/replica_sweep.* in {time.perf_counter() - t0:.0f}s")
+            return
     methods = rt.default_methods([int(r) for r in args.ranks.split(",")], args.remainder)
     rows = [] if args.skip_tables else rt.roundtrip_experiment(
         caps, methods=methods, codecs=args.codecs.split(","),

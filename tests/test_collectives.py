@@ -164,6 +164,40 @@ def test_policy_by_callable_and_by_pytree(mesh):
         assert not np.array_equal(np.asarray(out["w"]), np.asarray(exact["w"]))
 
 
+@pytest.mark.parametrize("name,block,accumulate", [
+    ("fp8_e4m3", None, "fp32"), ("fp8_e5m2", None, "fp8"), ("fp8_e4m3", 32, "fp32"),
+    ("nvfp4", None, "fp32")])
+def test_stacked_leaf_is_quantized_like_its_tensors_unstacked(mesh, name, block, accumulate):
+    """``stack_axes``: a ``(layers, in, out)`` leaf whose layers differ in magnitude by 10⁵
+    reduces bit for bit like its layers as separate leaves (each on its own scales). With one
+    fp8_e4m3 scale per tensor the small layer keeps its precision, where one scale for the
+    whole stack flushes it to subnormals."""
+    ks = jax.random.split(jax.random.key(7), 3)
+    big = jax.random.normal(ks[0], (N, 64, 8))
+    small = jax.random.normal(ks[1], (N, 64, 8)) * 1e-5
+    bias = jax.random.normal(ks[2], (N, 5))
+    stacked = {"bias": bias, "layers": jnp.stack([big, small], axis=1)}
+    apart = {"bias": bias, "layers": {"0": big, "1": small}}
+    kw = dict(codec=name, block_size=block, accumulate=accumulate,
+              global_scale=accumulate == "fp8")
+    by_layer = lambda path, leaf: 1 if len(leaf.shape) == 3 else 0
+
+    def fn(t):
+        return (gj.quantized_psum(t[0], "data", stack_axes=by_layer, **kw),
+                gj.quantized_psum(t[0], "data", **kw),
+                gj.quantized_psum(t[1], "data", **kw))
+
+    f, g = per_device(mesh, fn, (stacked, apart))
+    per_layer, one_scale, separate = f(g)
+    np.testing.assert_array_equal(per_layer["layers"][:, 0], separate["layers"]["0"])
+    np.testing.assert_array_equal(per_layer["layers"][:, 1], separate["layers"]["1"])
+    np.testing.assert_array_equal(per_layer["bias"], separate["bias"])
+    if name == "fp8_e4m3" and block is None:
+        exact = np.asarray(small, np.float64).sum(0)
+        err = lambda x: np.linalg.norm(x[0] - exact) / np.linalg.norm(exact)
+        assert err(per_layer["layers"][:, 1]) < 0.05 < 0.3 < err(one_scale["layers"][:, 1])
+
+
 def test_hierarchical_two_axes():
     mesh2 = jax.make_mesh((2, 4), ("node", "local"))
     grads = local_grads()

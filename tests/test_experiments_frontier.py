@@ -109,3 +109,27 @@ def test_transport_comparisons_pair_cells_of_one_codec():
         "nvfp4", "gift", "euclidean")
     assert rows[0]["mean"] == pytest.approx(-0.1)
     assert "gift − euclidean" in F.format_comparisons(rows)
+
+
+def test_frontier_at_16_replicas_smoke(tmp_path):
+    """#23's training cells at R = 16 (the R = 64 measurement's shape): fp8_e5m2 on the FP8
+    ring, Euclidean and GIFT, and the fp32 reference, 2 steps each on 16 simulated devices
+    with 16 x 1 sequences, through the script; the records say 16 devices."""
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(
+        [sys.executable, str(root / "scripts" / "frontier.py"), "--out", str(tmp_path),
+         "--cpu_devices", "16", "--set", "train.global_batch_size=16", "--set",
+         "optimizer.warmup_steps=1", "--steps", "2", "--eval_every", "2",
+         "--eval_batches", "1", "--refresh_every", "2", "--codecs", "fp8_e5m2",
+         "--transports", "euclidean,gift", "--accumulations", "fp8", "--optimizers", "adamw",
+         "--seeds", "0"], check=True, cwd=root, env=env, timeout=900)
+    records = sorted(tmp_path.glob("records/**/seed0.json"))
+    runs = {(r["cell"], r["devices"]) for r in map(json.loads, map(pathlib.Path.read_text,
+                                                                   records))}
+    assert {d for _, d in runs} == {16} and len(runs) == 3
+    assert (tmp_path / "frontier.png").stat().st_size > 0

@@ -208,3 +208,23 @@ def test_refresh_schedule_experiment_smoke():
     assert set(corr) == {"input", "gradient"} and all(-1 <= v <= 1 for v in corr.values())
     assert "gradient coverage" in rt.refresh_schedule_markdown(res)
     trainer.close()
+
+
+def test_replica_sweep_ring_error_grows_with_replicas(tmp_path):
+    """The replica sweep (#23) on synthetic captures: rows for every R, frame, codec and
+    accumulation; the FP8 ring's Euclidean error grows from R = 2 to R = 8 (more rounded
+    partial sums) while fp32 sums' does not grow like it; table and plot are written."""
+    caps = _synthetic_captures(steps=1)
+    rows = rt.replica_sweep_experiment(caps, [2, 8], codecs=("fp8_e5m2",), verbose=False,
+                                       groups={"g": ["*/down_proj"]})
+    assert {(r["replicas"], r["accumulate"], r["method"]) for r in rows} == {
+        (n, acc, m) for n in (2, 8) for acc in ("fp32", "fp8") for m in rt.SWEEP_METHODS}
+    err = {(r["replicas"], r["accumulate"]): r["step0"]["rel_l2"] for r in rows
+           if r["method"] == "Euclidean"}
+    assert err[8, "fp8"] > 1.5 * err[2, "fp8"] and err[8, "fp8"] > 2 * err[8, "fp32"]
+    md = rt.replica_sweep_markdown(rows)
+    assert "R = 2 | R = 8" in md and "rank-32 A" in md
+    rt.plot_replica_sweep(rows, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="replicas=9 must lie in"):
+        rt.first_replicas(caps[0], 9)

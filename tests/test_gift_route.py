@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.stage import allreduce, matrices_only
+from gift_jax.utils.matrices import MatrixDimensionNumbers
 from gift_jax.whitening.stage import gift, whitened_fraction
 from tests.test_gift import KERNEL, D, M, N, _data, _kernel, _mesh, _params
 
@@ -166,6 +167,45 @@ def test_recorded_route_errors_are_the_errors_the_step_produces(accumulate, extr
     always = gift(allreduce("data", **kw), rank=4, ema=0.0)
     whitened, _ = _per_device_step(always, [])(grads, _per_device_init(always), a)
     np.testing.assert_allclose(recorded, [error(euclidean), error(whitened)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("accumulate", ["fp32", "fp8"])
+def test_stacked_layers_routed_apart_record_the_errors_they_produce(accumulate):
+    """A scanned model's ``(layers, in, out)`` kernel whose two layers take different routes
+    (layer 0's factor from its own inputs, layer 1's from a rotated distribution): with the
+    all-reduce's ``stack_axes`` every layer has its own scales, so each layer's recorded error
+    is the error the step produces for it, to 1e-6. With one scale for the stack, the
+    whitened layer was quantized on the Euclidean layer's scale: the router recorded 0.049
+    for a transport that produced 0.157 on the FP8 ring."""
+    kw = dict(codec=CODEC, accumulate=accumulate, global_scale=accumulate == "fp8",
+              stack_axes=lambda path, leaf: 1)
+    (g0, a0), (g1, _), (_, a7) = _data(0), _data(1), _data(7)
+    g, a = jnp.stack([g0, g1], axis=1), jnp.stack([a0, a7], axis=1)  # (D, 2, ...)
+    path = "layers/mlp/down_proj/kernel"
+    tx = gift(allreduce("data", **kw), layers=["*/mlp/down_proj"], rank=4, ema=0.0,
+              route_frame="euclidean",
+              dimension_numbers={"*/mlp/down_proj": MatrixDimensionNumbers(1, 2)})
+
+    def body(g, st, stats):
+        g, st = jax.tree.map(lambda x: x[0], (g, st))
+        out, st = tx.update(g, st, None, gift_stats={path: stats[0]})
+        return jax.tree.map(lambda x: x[None], (out, st))
+
+    params = {"layers": {"mlp": {"down_proj": {"kernel": jnp.zeros((2, N, M))}}}}
+    init = jax.jit(jax.shard_map(lambda p: jax.tree.map(lambda x: x[None], tx.init(p)),
+                                 mesh=_mesh(), in_specs=P(), out_specs=P("data"),
+                                 check_vma=False))(params)
+    out, st = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("data"),
+                                    out_specs=P("data"), check_vma=False))(
+        {"layers": {"mlp": {"down_proj": {"kernel": g}}}}, init, a)
+    use = np.asarray(st.use_whitening[path])[0]
+    recorded = np.asarray(st.route_error[path])[0]  # (2 routes, 2 layers)
+    got = np.asarray(out["layers"]["mlp"]["down_proj"]["kernel"], np.float64)[0]
+    exact = np.mean(np.asarray(g, np.float64), axis=0)
+    real = [np.linalg.norm(got[k] - exact[k]) / np.linalg.norm(exact[k]) for k in range(2)]
+    np.testing.assert_allclose([recorded[int(use[k]), k] for k in range(2)], real, rtol=1e-6)
+    if accumulate == "fp8":  # the case that went wrong: the layers took different routes
+        assert use.tolist() == [True, False]
 
 
 def test_bad_route_settings():

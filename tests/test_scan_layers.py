@@ -119,6 +119,27 @@ def test_trainer_runs_gift_and_plumage_on_stacked_kernels(tmp_path, method):
     assert set(summary["wire_bytes_per_step"]) == {"ordinary", "refresh"}
 
 
+def test_trainer_quantizes_each_stacked_layer_on_its_own_scales():
+    """With scan_layers the trainer's all-reduce splits every stacked kernel into its layers
+    (one slot and one scale each); norms, embeddings and the head stay one tensor; unrolled
+    blocks need no split."""
+    from gift_jax.comm.stage import allreduce_spec
+    from gift_jax.training.optim import allreduce_stage
+    from tests.test_training import small_config
+
+    for scan in (True, False):
+        config = small_config("fp8", **{"model.num_layers": 3, "model.scan_layers": scan})
+        cfg = dataclasses.replace(CFG, scan_layers=scan)
+        params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+        spec = allreduce_spec(allreduce_stage(config, ("data",), "fp8_e4m3"))
+        paths = ["/".join(str(getattr(k, "key", k)) for k in p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        stacks = dict(zip(paths, spec.stacks(params), strict=True))
+        want = {p: 3 if scan and p.startswith("layers/") and p.endswith("kernel") else 1
+                for p in paths}
+        assert stacks == want
+
+
 def test_flash_attention_kernel_matches_reference():
     """attention_impl='flash' on a TPU target runs jax's Pallas TPU flash kernel (here in TPU
     interpret mode on CPU): grouped heads, forward and gradients equal the reference's within

@@ -293,13 +293,22 @@ def test_object_storage_workdir_end_to_end(gcs_bucket, tmp_path):
     local = run(config, str(tmp_path), stop_after=6)
     workdir = f"{gcs_bucket}/runs/fp8"
 
+    def on_emulator(fn):
+        try:
+            return fn()
+        except ValueError as e:  # the emulator's object generations, not gift_jax
+            if "Malformed StorageGeneration" in str(e):
+                pytest.skip("gcp-storage-emulator returned an object generation TensorStore "
+                            "cannot parse (seen about 1 run in 3 under load)")
+            raise
+
     with pytest.raises(RuntimeError, match="node lost"):
-        run(config, workdir, batches=_crashing, stop_after=6)
+        on_emulator(lambda: run(config, workdir, batches=_crashing, stop_after=6))
     root = epath.Path(workdir)
     assert sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2", "4"]
     assert json.loads((root / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
-    resumed = run(config, workdir, resume=True, stop_after=2)
+    resumed = on_emulator(lambda: run(config, workdir, resume=True, stop_after=2))
     assert resumed.step == 6
     assert_trees_equal(resumed.params, local.params)
 

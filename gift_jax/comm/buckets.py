@@ -8,6 +8,11 @@ scale never mixes two leaves (a tiny norm gain sharing a block with a large matr
 flushed to zero); the bucket is then padded with zero rows to a multiple of the number of
 replicas, so that it splits into equal shards. The plan depends only on shapes and is built
 at trace time.
+
+A leaf that stacks ``g`` separate tensors along its leading axes (the layers of a scanned
+model, ``(layers, in, out)``) is packed as ``g`` slots, each starting on a fresh row: every
+tensor of the stack gets its own scales, as it would unstacked, so a small layer is not
+quantized on the scale of the largest one. The slots of a leaf stay in one bucket.
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ class Slot:
     """Where one leaf lives in its bucket."""
 
     leaf: int  # index in the flattened pytree
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # the leaf's
     row_offset: int
     rows: int
+    part: int = 0  # which tensor of a stacked leaf (see the module doc)
+    parts: int = 1  # how many tensors the leaf stacks
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        """Elements of this slot (one tensor of the stack)."""
+        return int(np.prod(self.shape, dtype=np.int64)) // self.parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +56,12 @@ class Bucket:
 
     @property
     def num_leaves(self) -> int:
+        """Scale groups: one per slot (a leaf, or one tensor of a stacked leaf)."""
         return len(self.slots)
 
     def row_leaf_ids(self) -> np.ndarray:
-        """``int32[rows]``: bucket-local leaf id of every row (padding rows: the last leaf)."""
+        """``int32[rows]``: bucket-local slot id of every row (padding rows: the last slot);
+        every slot has its own scales."""
         ids = np.full((self.rows,), max(self.num_leaves - 1, 0), np.int32)
         for i, s in enumerate(self.slots):
             ids[s.row_offset : s.row_offset + s.rows] = i
@@ -62,7 +72,7 @@ class Bucket:
         B = self.codec.row_size
         parts = []
         for s in self.slots:
-            flat = leaves[s.leaf].astype(jnp.float32).reshape(-1)
+            flat = leaves[s.leaf].astype(jnp.float32).reshape(s.parts, -1)[s.part]
             parts.append(jnp.pad(flat, (0, s.rows * B - s.size)))
         used = sum(s.rows for s in self.slots)
         parts.append(jnp.zeros(((self.rows - used) * B,), jnp.float32))
@@ -72,10 +82,13 @@ class Bucket:
         """``f32[rows, row_size]`` → ``{leaf index: f32 array of the leaf's shape}``."""
         flat = buf.reshape(-1)
         B = self.codec.row_size
-        return {
-            s.leaf: flat[s.row_offset * B : s.row_offset * B + s.size].reshape(s.shape)
-            for s in self.slots
-        }
+        pieces: dict[int, list[jax.Array]] = {}
+        for s in self.slots:
+            pieces.setdefault(s.leaf, []).append(
+                flat[s.row_offset * B : s.row_offset * B + s.size])
+        shapes = {s.leaf: s.shape for s in self.slots}
+        return {leaf: (p[0] if len(p) == 1 else jnp.concatenate(p)).reshape(shapes[leaf])
+                for leaf, p in pieces.items()}
 
 
 def plan_buckets(
@@ -83,8 +96,19 @@ def plan_buckets(
     codecs: list[Codec],
     num_shards: int,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+    stacks: list[int] | None = None,
 ) -> tuple[Bucket, ...]:
-    """Group leaves (by codec, in order) into buckets; see the module docstring."""
+    """Group leaves (by codec, in order) into buckets; see the module docstring.
+
+    Args:
+      shapes, codecs: per leaf.
+      num_shards: replicas the buckets split over (their rows are a multiple of it).
+      bucket_elems: capacity of a bucket (a larger leaf gets one of its own).
+      stacks: per leaf, how many tensors it stacks along its leading axes (default 1 each).
+
+    Returns:
+      The buckets, codec by codec in first-use order, leaves in tree order.
+    """
     if bucket_elems <= 0:
         raise ValueError(f"bucket_elems={bucket_elems} must be positive")
     buckets = []
@@ -96,12 +120,16 @@ def plan_buckets(
             if c != codec:
                 continue
             n = int(np.prod(shape, dtype=np.int64))
-            leaf_rows = max(1, -(-n // B))
-            if groups[-1] and (rows + leaf_rows) * B > bucket_elems:
+            parts = 1 if stacks is None else stacks[i]
+            if n % parts:
+                raise ValueError(f"leaf {i} of shape {shape} does not split into {parts} tensors")
+            part_rows = max(1, -(-(n // parts) // B))
+            if groups[-1] and (rows + parts * part_rows) * B > bucket_elems:
                 groups.append([])
                 rows = 0
-            groups[-1].append(Slot(i, tuple(shape), rows, leaf_rows))
-            rows += leaf_rows
+            for part in range(parts):
+                groups[-1].append(Slot(i, tuple(shape), rows, part_rows, part, parts))
+                rows += part_rows
         for slots in groups:
             used = sum(s.rows for s in slots)
             buckets.append(Bucket(codec, tuple(slots), -(-used // num_shards) * num_shards))

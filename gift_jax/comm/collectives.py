@@ -24,6 +24,7 @@ shard across ``axis_name``, and an all-gather back over the intra axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -349,6 +350,7 @@ class AllReduceSpec:
     backend: str = "auto"
     intra_axis: AxisName | None = None
     intra_codec: str | Codec = "fp32"
+    stack_axes: Any = None  # callable (path, leaf) → leading axes that stack tensors, or None
 
     def __post_init__(self):
         get_codec(self.intra_codec)
@@ -380,13 +382,32 @@ class AllReduceSpec:
             n *= axis_size(self.intra_axis)
         return n
 
+    def stacks(self, tree) -> list[int]:
+        """Per leaf, how many tensors it stacks: the product of its leading ``stack_axes(path,
+        leaf)`` axes (at most all but the last; 1 without ``stack_axes``). Each gets its own
+        scales (see :mod:`gift_jax.comm.buckets`)."""
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        if self.stack_axes is None:
+            return [1] * len(flat)
+        out = []
+        for path, leaf in flat:
+            shape = jnp.shape(leaf)
+            k = int(self.stack_axes(path, leaf) or 0)
+            if k < 0:
+                raise ValueError(f"stack_axes gave {k} for leaf {jax.tree_util.keystr(path)}; "
+                                 "it counts leading axes (>= 0)")
+            out.append(math.prod(shape[:min(k, max(len(shape) - 1, 0))]))
+        return out
+
     def plan(self, tree) -> tuple[tuple[Bucket, ...], list[Codec]]:
         codecs = resolve_codecs(tree, self.codec, self.block_size, self.policy)
         shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
         quantized = [c for c in codecs if not c.is_exact]
         shapes_q = [s for s, c in zip(shapes, codecs, strict=True) if not c.is_exact]
         idx_q = [i for i, c in enumerate(codecs) if not c.is_exact]
-        buckets = plan_buckets(shapes_q, quantized, self.num_shards(), self.bucket_elems)
+        stacks_q = [n for n, c in zip(self.stacks(tree), codecs, strict=True) if not c.is_exact]
+        buckets = plan_buckets(shapes_q, quantized, self.num_shards(), self.bucket_elems,
+                               stacks_q)
         # re-index slots to the full leaf list
         buckets = tuple(
             dataclasses.replace(
@@ -580,7 +601,7 @@ def quantized_psum(tree, axis_name: AxisName | None, *, codec: str | Codec = "fp
 
     ``settings`` are those of :class:`AllReduceSpec` (``block_size``, ``policy``,
     ``bucket_elems``, ``global_scale``, ``accumulate``, ``backend``, ``intra_axis``,
-    ``intra_codec``). ``key`` switches on stochastic rounding.
+    ``intra_codec``, ``stack_axes``). ``key`` switches on stochastic rounding.
     """
     spec = AllReduceSpec(axis_name, codec, mean=mean, **settings)
     return all_reduce_tree(tree, spec, key=key)[0]

@@ -102,6 +102,7 @@ def allreduce(
     intra_axis: AxisName | None = None,
     intra_codec: str | Codec = "fp32",
     shards: LocalShards | None = None,
+    stack_axes: Any = None,
 ) -> optax.GradientTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -132,6 +133,9 @@ def allreduce(
         key is the same on every device of a replica (folded with the replica index only): a
         leaf replicated over ``shards.axes`` is then rounded alike on each of its copies, which
         stay bit-identical; the shards of a split leaf draw the same bits at the same offsets.
+      stack_axes: a callable ``(path, leaf) → k``: the leaf's leading ``k`` axes stack
+        separate tensors (the layers of a scanned model), and each tensor gets its own scales,
+        as it would unstacked (``None``: one set of scales per leaf).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -142,7 +146,7 @@ def allreduce(
     """
     spec = AllReduceSpec(
         axis_name, codec, block_size, mean, policy, bucket_elems, global_scale, accumulate,
-        backend, intra_axis, intra_codec,
+        backend, intra_axis, intra_codec, stack_axes,
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")
@@ -285,11 +289,16 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
         leaf_specs = dict(zip(paths, jax.tree.leaves(
             shards.specs(full_tree), is_leaf=lambda x: isinstance(x, PartitionSpec)),
             strict=True))
+    stack_axes = None  # each variant's leaf stacks the tensors its leaf in full_tree stacks
+    if spec.stack_axes is not None:
+        axes = {path: spec.stack_axes(p, x) for path, (p, x) in zip(paths, flat, strict=True)}
+        stack_axes = lambda key, _: axes[leaf_path(key).split("/", 1)[1]]
     keyed = {(i, p): x for i, v in enumerate(variants) for p, x in v.items()}
     out: list[dict[str, Any]] = [{} for _ in variants]
     for codec in sorted({codecs[p] for _, p in keyed}, key=repr):  # one reduction per codec
         group = {f"{i}/{p}": x for (i, p), x in keyed.items() if codecs[p] == codec}
-        one = dataclasses.replace(spec, codec=codec, block_size=None, policy=None)
+        one = dataclasses.replace(spec, codec=codec, block_size=None, policy=None,
+                                  stack_axes=stack_axes)
         reduce = lambda t, one=one: all_reduce_tree(t, one)[0]
         if shards is None:
             reduced = reduce(group)

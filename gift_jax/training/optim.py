@@ -146,7 +146,15 @@ def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
         intra_axis=axes[1] if hierarchical else None,
         intra_codec=comm.intra_codec,
         shards=shards,
+        stack_axes=stacked_kernels if config.model.scan_layers else None,
     )
+
+
+def stacked_kernels(path, leaf) -> int:
+    """``stack_axes`` of a scanned model's gradients (and PLUMAGE's coordinates of them): the
+    stacked kernels ``layers/… (layers, in, out)`` stack one matrix per layer, each quantized
+    on its own scales as in the unrolled model; other leaves are one tensor."""
+    return int(leaf_path(path).startswith("layers/") and len(jnp.shape(leaf)) >= 3)
 
 
 def clip_stages(config) -> list[optax.GradientTransformation]:

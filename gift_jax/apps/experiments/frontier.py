@@ -331,8 +331,8 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, o
              configs_dir: str | os.PathLike | None = None,
              log: Callable[[str], None] | None = print) -> list[dict]:
     """Every cell × seed (references first), each written to :func:`record_path` as soon as
-    it finishes; a record already there with the same settings is reused (the grid resumes
-    where it stopped). Returns the records."""
+    it finishes; a record already there with the same settings and device count is reused
+    (the grid resumes where it stopped). Returns the records."""
     if source is None:
         from gift_jax.data import get_source
 
@@ -347,7 +347,8 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, o
             path = record_path(out, cell, seed)
             if path.is_file():
                 rec = json.loads(path.read_text())
-                if rec.get("settings") == s.asdict():
+                if (rec.get("settings") == s.asdict()
+                        and rec.get("devices") == jax.device_count()):
                     records.append(rec)
                     continue
             rec = run_cell(cell, s, seed, source, base_config=base_config)

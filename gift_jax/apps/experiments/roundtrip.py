@@ -91,6 +91,8 @@ __all__ = [
     "plot_refresh_schedules",
     "refresh_schedule_experiment",
     "refresh_schedule_markdown",
+    "replica_sweep_experiment",
+    "replica_sweep_markdown",
     "roundtrip_experiment",
     "simulate_allreduce",
     "staleness_experiment",
@@ -621,6 +623,128 @@ def roundtrip_experiment(
                         print(f"  {gname} | {codec} | acc {acc} | EF {ef}: "
                               f"{time.perf_counter() - t0:.1f}s", flush=True)
     return rows
+
+
+def first_replicas(capture: ReplicaCapture, replicas: int) -> ReplicaCapture:
+    """The capture as if only its first ``replicas`` replicas had run (same local batch)."""
+    if not 1 <= replicas <= capture.loss.shape[0]:
+        raise ValueError(f"replicas={replicas} must lie in [1, {capture.loss.shape[0]}] (the "
+                         "captured replicas)")
+    first = lambda d: {p: x[:replicas] for p, x in d.items()}
+    return ReplicaCapture(capture.loss[:replicas], first(capture.grads), first(capture.a),
+                          first(capture.b))
+
+
+#: The frames of the replica sweep (#23): Euclidean, the artifact's full input factor, and
+#: GIFT's rank-32 factor.
+SWEEP_METHODS = ("Euclidean", "input-side full A", "rank-32 A")
+
+
+def replica_sweep_experiment(
+    captures: Sequence[ReplicaCapture],
+    replica_counts: Sequence[int],
+    methods: Sequence[Method] | None = None,
+    codecs: Sequence[str] = ("fp8_e4m3", "fp8_e5m2"),
+    accumulations: Sequence[str] = ("fp32", "fp8"),
+    damping: float = 1e-3,
+    verbose: bool = True,
+    groups: dict[str, Sequence[str]] | None = None,
+) -> list[dict[str, Any]]:
+    """The one-step round trip at each replica count ``R`` (the first ``R`` replicas of the
+    captures: the same local batch, a global batch that grows with ``R``, as when GPUs are
+    added). An FP8 ring rounds ``R − 1`` partial sums, so its error grows with ``R``. Each
+    captured step is a separate round trip with its own fresh factor; the rows hold the mean
+    of their metrics over the steps (``"step0"``, named like :func:`roundtrip_experiment`'s)
+    and each step's (``"per_step"``).
+
+    Args:
+      captures: from :func:`train_and_capture` with at least ``max(replica_counts)`` replicas.
+      replica_counts: the ``R`` values.
+      methods: the frames (default: :data:`SWEEP_METHODS` of :func:`default_methods`).
+      codecs, accumulations, damping, groups: as :func:`roundtrip_experiment`.
+
+    Returns:
+      :func:`roundtrip_experiment`'s rows (no error feedback), each with ``"replicas"``.
+    """
+    if methods is None:
+        methods = [m for m in default_methods((32,)) if m.name in SWEEP_METHODS]
+    rows = []
+    for r in replica_counts:
+        t0 = time.perf_counter()
+        parts = [roundtrip_experiment([first_replicas(c, r)], groups, methods=methods,
+                                      codecs=codecs, accumulations=accumulations,
+                                      error_feedback=(False,), damping=damping, verbose=False)
+                 for c in captures]
+        for steps in zip(*parts, strict=True):
+            per_step = [row["step0"] for row in steps]
+            mean = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+            rows.append(dict(steps[0], replicas=r, step0=mean, per_step=per_step,
+                             mean=mean, cum_rel_l2=None))
+        if verbose:
+            print(f"  R={r}: {time.perf_counter() - t0:.1f}s", flush=True)
+    return rows
+
+
+def replica_sweep_markdown(rows: Sequence[dict[str, Any]],
+                           metrics: Sequence[str] = ("rel_l2", "whitened", "adam")) -> str:
+    """Per (group, codec, accumulation): each frame's step-0 error at every ``R``, and the
+    change against Euclidean at the same ``R``."""
+    counts = sorted({r["replicas"] for r in rows})
+    out = []
+    keys = sorted({(r["group"], r["codec"], r["accumulate"]) for r in rows})
+    for g, c, acc in keys:
+        sel = [r for r in rows if (r["group"], r["codec"], r["accumulate"]) == (g, c, acc)]
+        acc_name = "fp32 accumulation" if acc == "fp32" else "FP8 ring accumulation"
+        out.append(f"\n#### {g}, {c}, {acc_name}\n")
+        out.append("| frame | metric | " + " | ".join(f"R = {n}" for n in counts) + " |")
+        out.append("|---|---|" + "---:|" * len(counts))
+        for metric in metrics:
+            base = {r["replicas"]: r["step0"][metric] for r in sel if r["method"] == "Euclidean"}
+            for name in dict.fromkeys(r["method"] for r in sel):
+                vals = {r["replicas"]: r["step0"][metric] for r in sel if r["method"] == name}
+                cells = []
+                for n in counts:
+                    v = vals.get(n)
+                    if v is None:
+                        cells.append("")
+                    elif name == "Euclidean" or not base.get(n):
+                        cells.append(_fmt(v))
+                    else:
+                        cells.append(f"{_fmt(v)} ({100 * (v / base[n] - 1):+.0f} %)")
+                out.append(f"| {name} | {METRIC_TITLES[metric]} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot_replica_sweep(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Relative L2 error against ``R`` (log-log), one panel per (group, codec), a line per
+    (frame, accumulation): a colour per frame, solid for the FP8 ring, dashed for fp32 sums."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["group"], r["codec"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (g, c) in zip(axes[0], panels, strict=True):
+        for acc, style in (("fp32", "--"), ("fp8", "-")):
+            for color, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
+                sel = sorted((r["replicas"], r["step0"]["rel_l2"]) for r in rows
+                             if (r["group"], r["codec"], r["accumulate"], r["method"])
+                             == (g, c, acc, name))
+                if sel:
+                    ax.plot(*zip(*sel, strict=True), style, marker="o", ms=3,
+                            color=f"C{color}",
+                            label=f"{name}, {'FP8 ring' if acc == 'fp8' else 'fp32 sums'}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("replicas R")
+        ax.set_title(f"{g}\n{c}", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("relative L2 error of the mean")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def staleness_experiment(
