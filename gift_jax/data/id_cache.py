@@ -33,7 +33,7 @@ from collections import OrderedDict
 import numpy as np
 
 from gift_jax.data.errors import DataError
-from gift_jax.data.storage import is_remote
+from gift_jax.data.storage import is_remote, local_or_url
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ def cache_folder(id_cache: str, tokenizer, source, split: str, num_docs: int) ->
                         "tokenizing); use the host's local disk, or '' for no cache")
     corpus = getattr(source, "cache_key", None) or source.name
     key = hashlib.sha1(f"{corpus}|{split}|{num_docs}".encode()).hexdigest()[:20]
-    return os.path.join(os.path.abspath(os.path.expanduser(id_cache)),
-                        tokenizer.fingerprint[:24], f"{split}-{key}")
+    return os.path.join(local_or_url(id_cache), tokenizer.fingerprint[:24], f"{split}-{key}")
 
 
 class ShardedIds:

@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from gift_jax.data.storage import cached
+from gift_jax.data.storage import cached, is_remote
 from gift_jax.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,6 @@ class TokenizedSource:
                 tokenize_split(self.source, split, self.tokenizer, f)
 
         stored = cached(path, tokenize, f"the token stream of {self.name}/{split}")
-        if "://" in path:  # object storage: read it whole (a memory map needs a local file)
+        if is_remote(path):  # object storage: read it whole (a memory map needs a local file)
             return np.frombuffer(stored.read_bytes(), dtype)
         return np.memmap(path, dtype=dtype, mode="r")
