@@ -22,7 +22,7 @@ def test_e4m3_is_the_fn_variant():
     assert codec.element_dtype == jnp.float8_e4m3fn and codec.fmax == 448.0
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name", C.low_precision_codecs())
 def test_saturating_cast_never_nan(name):
     codec = C.get_codec(name)
     y = jnp.array([1e6, -1e6, codec.fmax * 1.01, 3.0e38] * (codec.row_size // 4 or 1))
@@ -32,35 +32,40 @@ def test_saturating_cast_never_nan(name):
     assert bool(jnp.all(jnp.abs(out) == codec.fmax))
 
 
-@pytest.mark.parametrize("name,block", [(n, None) for n in C.CODEC_NAMES] + [("fp8_e4m3", 64)])
+@pytest.mark.parametrize("name,block", [(n, None) for n in C.CODEC_NAMES]
+                         + [(n, 64) for n in C.block_scaled_codecs()])
 def test_zero_roundtrips_to_exact_zero(name, block):
     out = jax.jit(lambda x: C.roundtrip(x, name, block))(jnp.zeros((3, 70)))
     assert out.shape == (3, 70) and bool(jnp.all(out == 0)) and not bool(jnp.any(jnp.signbit(out)))
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("name,block", [(n, None) for n in C.low_precision_codecs()]
+                         + [("int8", 32)])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nonfinite_poisons_the_whole_group(name, bad):
+def test_nonfinite_poisons_the_whole_group(name, block, bad):
     x = np.linspace(-1, 1, 64, dtype=np.float32)
     x[5] = bad
-    out = np.asarray(C.roundtrip(jnp.asarray(x), name))
-    codec = C.get_codec(name)
+    codec = C.get_codec(name, block)
+    out = np.asarray(C.roundtrip(jnp.asarray(x), codec))
     # the group that shares a scale with it: the block (mxfp8) or the tensor (per-tensor
     # fp8; nvfp4, whose second-level scale is per tensor)
     B = 64 if codec.has_leaf_scale else codec.block_size
     assert np.isnan(out[5])
     # never finite garbage: every element of the group is NaN or exactly its RTN value
-    exact = np.asarray(C.roundtrip(jnp.asarray(np.where(np.isfinite(x), x, 0)), name))
+    exact = np.asarray(C.roundtrip(jnp.asarray(np.where(np.isfinite(x), x, 0)), codec))
     group = out[:B]
     assert np.all(np.isnan(group) | (group == exact[:B]))
-    if not (codec.block_size and bad != bad):  # Inf, or any per-tensor scale: whole group
+    # Inf, any per-tensor scale, or an integer format (no NaN code: an explicit check): the
+    # whole group
+    if not (codec.block_size and bad != bad) or codec.is_integer:
         assert np.isnan(group).all()
     if B < 64:
         assert np.isfinite(out[B:]).all()
 
 
 @pytest.mark.parametrize("name,block", [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
-                                        ("fp8_e4m3", 32), ("fp8_e5m2", 128), ("mxfp8", None)])
+                                        ("fp8_e4m3", 32), ("fp8_e5m2", 128), ("mxfp8", None),
+                                        ("int8", None), ("int8", 32)])
 def test_roundtrip_error_within_format_precision(name, block):
     codec = C.get_codec(name, block)
     x = jax.random.normal(jax.random.key(0), (4096,)) * jnp.exp(
@@ -79,6 +84,8 @@ def test_roundtrip_error_within_format_precision(name, block):
         scale = amax / codec.fmax
     sub = scale * 2.0 ** (codec.min_exponent - codec.mantissa_bits - 1)
     bound = (unit * np.abs(groups) + sub).reshape(-1) * (1 + 1e-6)
+    if codec.is_integer:  # round to nearest integer multiple of the scale
+        bound = np.broadcast_to(scale / 2, groups.shape).reshape(-1) * (1 + 1e-6)
     assert (err <= bound).all(), float((err - bound).max())
 
 
@@ -101,6 +108,24 @@ def _oracle_nvfp4(x):
     safe = np.where(bs == 0, 1, bs)
     q = np.clip(np.where(bs == 0, 0, g / safe), -6, 6).astype(ml_dtypes.float4_e2m1fn)
     return (q.astype(np.float32) * bs).reshape(-1)
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_int8_matches_independent_oracle(block):
+    """Symmetric int8: ``s = amax / 127``, ``q = clip(rint(x · (1/s)), ±127)``, in numpy."""
+    x = np.asarray(jax.random.normal(jax.random.key(4), (32 * 16,))) * np.repeat(
+        np.linspace(0.01, 10, 16), 32).astype(np.float32)
+    x[:32] = 0.0
+    g = x.reshape(-1, block or x.size)
+    amax = np.abs(g).max(1, keepdims=True)
+    s = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(g * (np.float32(1) / s)), -127, 127).astype(np.int8)
+    out = np.asarray(C.roundtrip(jnp.asarray(x), "int8", block))
+    # the same codes; XLA may divide amax by 127 one ulp apart from numpy
+    np.testing.assert_allclose(out, (q.astype(np.float32) * s).reshape(-1), rtol=3e-7, atol=0)
+    codec = C.get_codec("int8", block)
+    assert codec.row_bytes == codec.row_size and codec.ideal_ratio == (
+        0.25 if block is None else 0.25 + 1 / block)
 
 
 def test_mxfp8_matches_independent_oracle():
@@ -130,7 +155,7 @@ def test_nvfp4_matches_independent_oracle_and_packs_two_per_byte():
     assert payload.shape == (1, 8) and scale.dtype == jnp.uint8
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "int8"])
 def test_stochastic_rounding_is_unbiased_and_on_grid(name):
     codec = C.get_codec(name)
     n = 40000
@@ -151,7 +176,8 @@ def test_stochastic_rounding_is_unbiased_and_on_grid(name):
     [({"codec": "fp16"}, "codec='fp16'.*allowed"), ({"codec": "fp8_e4m3", "block_size": 0},
                                                      "block_size"),
      ({"codec": "bf16", "block_size": 32}, "block_size"),
-     ({"codec": "mxfp8", "block_size": 64}, "mxfp8")],
+     ({"codec": "mxfp8", "block_size": 64}, "mxfp8"),
+     ({"codec": "nvfp4", "block_size": 32}, "nvfp4 uses block_size=16")],
 )
 def test_bad_codec_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -20,8 +20,8 @@ from gift_jax.comm.kernels import quantize as qk
 from gift_jax.comm.kernels import roofline as R
 from gift_jax.models import LlamaConfig, param_shapes
 
-CODECS = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 128),
-          ("mxfp8", None), ("nvfp4", None)]
+CODECS = [(c.name, c.block_size if c.supports_block_scaling else None)
+          for c in C.codec_variants(128)]
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 

@@ -10,8 +10,8 @@ from gift_jax.comm import codecs as C
 from gift_jax.comm.kernels import backend as kb
 from gift_jax.comm.kernels import quantize as qk
 
-CASES = [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", 32),
-         ("fp8_e5m2", 48), ("mxfp8", None), ("nvfp4", None)]
+CASES = [(c.name, c.block_size if c.supports_block_scaling else None)
+         for c in C.codec_variants(32)] + [("fp8_e5m2", 48)]
 
 
 def _inputs(codec, rows, key=0):

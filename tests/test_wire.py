@@ -7,6 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gift_jax as gj
+from gift_jax.comm import codecs as C
 
 N = 8
 
@@ -56,8 +57,8 @@ def _compiled_wire(codec, block=None, policy=None):
     return gj.wire_bytes(f, args)
 
 
-@pytest.mark.parametrize("codec,block", [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
-                                         ("fp8_e4m3", 128), ("mxfp8", None), ("nvfp4", None)])
+@pytest.mark.parametrize("codec,block", [(c.name, c.block_size if c.supports_block_scaling
+                                          else None) for c in C.codec_variants(128)])
 def test_hlo_wire_ratio_matches_ideal_within_2_percent(codec, block):
     fp32 = _compiled_wire("fp32")
     assert set(fp32.by_kind()) == {"all-reduce"}

@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 
+from gift_jax.comm.codecs import get_codec
 from gift_jax.training import train
 from gift_jax.training.config import apply_overrides, complete_config, load_config
 
@@ -43,7 +44,7 @@ def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     config = complete_config(load_config(config_file))
     if codec is None:
         codec = config.comm.codec
-        if codec in ("fp32", "bf16"):
+        if not get_codec(codec).is_scaled:
             codec = DEFAULT_LOW_PRECISION_CODEC
     every = max(1, steps // 4)
     return apply_overrides(config, [
@@ -54,22 +55,18 @@ def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     ])
 
 
-#: Short names of the codecs in a mode's description (others are written as they are).
-_WIRE_NAMES = {"fp8_e4m3": "FP8", "fp8_e5m2": "FP8", "mxfp8": "MXFP8", "nvfp4": "NVFP4",
-               "bf16": "BF16", "fp32": "FP32"}
-
-
 def describe_mode(mode: str, config) -> str:
     """The table's label of demo mode ``mode`` run with ``config``: the mode and the settings
     that define it, e.g. ``fp8 (e4m3, per tensor)``, ``gift_fp8 (rank 32, K = 50)``,
     ``plumage (rank 32, τ = 50, FP8 wire)``."""
     comm = config.comm
+    codec = get_codec(comm.codec)
     if comm.method == "gift":
         details = [f"rank {config.gift.rank}", f"K = {config.gift.refresh_every}"]
     elif comm.method == "plumage":
         details = [f"rank {config.plumage.rank}", f"τ = {config.plumage.refresh_every}",
-                   f"{_WIRE_NAMES.get(comm.codec, comm.codec)} wire"]
-    elif comm.codec in ("fp8_e4m3", "fp8_e5m2"):
+                   f"{codec.label} wire"]
+    elif codec.supports_block_scaling:
         scales = (f"blocks of {comm.block_size}" if comm.scaling == "block" else "per tensor")
         details = [comm.codec.removeprefix("fp8_"), scales]
     elif comm.codec != mode:

@@ -20,7 +20,11 @@ fp8_e4m3   float8_e4m3fn    fp32 per block (optional) fp32 per tensor (default)
 fp8_e5m2   float8_e5m2      fp32 per block (optional) fp32 per tensor (default)
 mxfp8      float8_e4m3fn    E8M0 per 32 (OCP MX)      none
 nvfp4      float4_e2m1fn    float8_e4m3fn per 16      fp32 per tensor
+int8       int8             fp32 per block (optional) fp32 per tensor (default)
 ========== ================ ========================= ==============================
+
+Each row of the table is one entry of :data:`FORMATS`; :class:`Codec` derives every fact the
+rest of the library asks (bits, scales, whether block scaling or the FP8 ring applies) from it.
 
 Scaling maps the absolute maximum ``amax`` of the scaled group onto the format maximum:
 ``s = amax / fmax`` and ``q = sat(x · (1/s))``, decoded as ``q · s``. Casts saturate: an fp32 value
@@ -45,25 +49,28 @@ NVFP4: a per-tensor fp32 scale ``g = amax_tensor / (448 · 6)`` and a per-16 e4m
 element ``j`` of a block in the low nibble, element ``j + 8`` in the high nibble (see "wire
 layout of a row" below: no lane interleaving, so the GPU and TPU kernels lower it).
 
+INT8 (symmetric, as in ZeRO++'s quantized gradients): ``s = amax / 127`` per tensor or per
+block, ``q = clip(round(x / s), −127, 127)``, round half to even. Integers have no NaN code, so
+per-block int8 scales take the explicit non-finite check that per-tensor scales always take.
+
 Stochastic rounding (optional): with uniform ``u ∈ [0, 1)`` per element (from random bits made
 outside the kernel), ``q = sign(y) · floor(|y| / ulp(y) + u) · ulp(y)`` where ``ulp(y)`` is the
-spacing of the target format at ``y`` (constant below the smallest normal). This is unbiased,
-``E[q] = y``, up to float32 resolution, and ``q`` is exactly representable, so the final cast
-is exact.
+spacing of the target format at ``y`` (constant below the smallest normal; 1 for int8). This is
+unbiased, ``E[q] = y``, up to float32 resolution, and ``q`` is exactly representable, so the
+final cast is exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-CodecName = Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"]
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+CodecName = Literal["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "int8"]
 
 #: Row size of codecs without per-block scales: each leaf is padded to a multiple of it.
 DEFAULT_ROW_SIZE = 128
@@ -74,10 +81,49 @@ _E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 _E2M1_MAX = float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max)  # 6
 _MX_EMAX_ELEM = 8  # floor(log2(448))
 
+#: How a format scales its values (:attr:`Format.scaling`).
+SCALINGS = ("none", "amax", "mx", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """The static facts of one wire format: everything the library asks about a codec.
+
+    Attributes:
+      element_dtype: dtype of one element on the wire (an ``ml_dtypes`` float, or ``int8``).
+      scaling: ``"none"`` (values travel as they are), ``"amax"`` (``s = amax / fmax`` in fp32,
+        per tensor by default or per block of ``block_size``), ``"mx"`` (an E8M0 power of two
+        per fixed block) or ``"nvfp4"`` (an e4m3 scale per fixed block under an fp32 per-tensor
+        scale).
+      fixed_block: the block size the format prescribes (``mx``, ``nvfp4``), else ``None``.
+      label: how reports name the wire (``"FP8"``).
+    """
+
+    element_dtype: Any
+    scaling: str
+    fixed_block: int | None = None
+    label: str = ""
+
+
+#: Every codec and its format, in the order reports list them.
+FORMATS: dict[str, Format] = {
+    "fp32": Format(jnp.float32, "none", label="FP32"),
+    "bf16": Format(jnp.bfloat16, "none", label="BF16"),
+    "fp8_e4m3": Format(jnp.float8_e4m3fn, "amax", label="FP8"),
+    "fp8_e5m2": Format(jnp.float8_e5m2, "amax", label="FP8"),
+    "mxfp8": Format(jnp.float8_e4m3fn, "mx", fixed_block=MX_BLOCK, label="MXFP8"),
+    "nvfp4": Format(jnp.float4_e2m1fn, "nvfp4", fixed_block=NVFP4_BLOCK, label="NVFP4"),
+    "int8": Format(jnp.int8, "amax", label="INT8"),
+}
+CODEC_NAMES: tuple[str, ...] = tuple(FORMATS)
+
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """A wire format. Build it with :func:`get_codec`, which validates the settings.
+
+    Every question the library asks about a codec is answered here, from :data:`FORMATS`: no
+    module outside this one compares codec names.
 
     Attributes:
       name: one of :data:`CODEC_NAMES`.
@@ -90,32 +136,49 @@ class Codec:
 
     # ---- derived, static facts -------------------------------------------------------------
     @property
+    def format(self) -> Format:
+        return FORMATS[self.name]
+
+    @property
     def element_dtype(self):
-        return {
-            "fp32": jnp.float32,
-            "bf16": jnp.bfloat16,
-            "fp8_e4m3": jnp.float8_e4m3fn,
-            "fp8_e5m2": jnp.float8_e5m2,
-            "mxfp8": jnp.float8_e4m3fn,
-            "nvfp4": jnp.float4_e2m1fn,
-        }[self.name]
+        return self.format.element_dtype
+
+    @property
+    def is_integer(self) -> bool:
+        """Integer elements (``int8``): rounded to the nearest integer, no NaN code."""
+        return jnp.issubdtype(self.element_dtype, jnp.integer)
 
     @property
     def bits(self) -> int:
-        return {"fp32": 32, "bf16": 16, "nvfp4": 4}.get(self.name, 8)
+        return int(ml_dtypes.iinfo(self.element_dtype).bits if self.is_integer
+                   else ml_dtypes.finfo(self.element_dtype).bits)
 
     @property
     def fmax(self) -> float:
+        """Largest magnitude the scaled elements are mapped onto (127 for ``int8``)."""
+        if self.is_integer:
+            return float(ml_dtypes.iinfo(self.element_dtype).max)
         return float(ml_dtypes.finfo(self.element_dtype).max)
 
     @property
     def mantissa_bits(self) -> int:
+        """Bits below the leading one (floats); for integers, the bits of the magnitude."""
+        if self.is_integer:
+            return self.bits - 1
         return int(ml_dtypes.finfo(self.element_dtype).nmant)
 
     @property
     def min_exponent(self) -> int:
-        """Exponent of the smallest normal number of the element format."""
+        """Exponent of the smallest normal number of the element format (0 for integers,
+        whose spacing is 1 everywhere)."""
+        if self.is_integer:
+            return 0
         return int(np.log2(float(ml_dtypes.finfo(self.element_dtype).smallest_normal)))
+
+    @property
+    def label(self) -> str:
+        """How reports name the wire: ``FP8``, ``MXFP8``, ``NVFP4``…"""
+        return self.format.label
 
     @property
     def row_size(self) -> int:
@@ -129,25 +192,40 @@ class Codec:
     @property
     def row_scale_dtype(self):
         """dtype of the per-row scale on the wire, or ``None`` when rows carry no scale."""
-        if self.name == "mxfp8":
-            return jnp.uint8  # biased E8M0 exponent
-        if self.name == "nvfp4":
-            return jnp.uint8  # float8_e4m3fn bits
-        if self.name in ("fp8_e4m3", "fp8_e5m2") and self.block_size is not None:
+        scaling = self.format.scaling
+        if scaling in ("mx", "nvfp4"):
+            return jnp.uint8  # biased E8M0 exponent / float8_e4m3fn bits
+        if scaling == "amax" and self.block_size is not None:
             return jnp.float32
         return None
 
     @property
     def has_leaf_scale(self) -> bool:
         """True when one fp32 scale per leaf travels with the data."""
-        return self.name == "nvfp4" or (
-            self.name in ("fp8_e4m3", "fp8_e5m2") and self.block_size is None
-        )
+        scaling = self.format.scaling
+        return scaling == "nvfp4" or (scaling == "amax" and self.block_size is None)
 
     @property
     def is_exact(self) -> bool:
         """fp32: the collective is a plain ``psum``."""
         return self.name == "fp32"
+
+    @property
+    def is_scaled(self) -> bool:
+        """Whether values are scaled before the cast (every codec but fp32 and bf16): the
+        low-precision codecs, which error feedback, GIFT and the intra-node codec act on."""
+        return self.format.scaling != "none"
+
+    @property
+    def supports_block_scaling(self) -> bool:
+        """Whether ``block_size`` may choose per-block fp32 scales instead of one per tensor."""
+        return self.format.scaling == "amax"
+
+    @property
+    def supports_ring_accumulation(self) -> bool:
+        """Whether the FP8-ring emulation (``accumulate="fp8"``) applies: a per-tensor scale
+        that every sender can share, so that partial sums can travel in the format."""
+        return self.format.scaling == "amax" and self.block_size is None
 
     @property
     def ideal_ratio(self) -> float:
@@ -158,31 +236,63 @@ class Codec:
         return (self.bits / 8 + scale) / 4
 
 
+def low_precision_codecs() -> tuple[str, ...]:
+    """The codecs that scale their values: what GIFT, PLUMAGE and error feedback act on."""
+    return tuple(n for n in CODEC_NAMES if Codec(n).is_scaled)
+
+
 def get_codec(codec: str | Codec, block_size: int | None = None) -> Codec:
-    """Validated :class:`Codec` from a name (and optional block size for fp8 codecs)."""
+    """Validated :class:`Codec` from a name and an optional block size.
+
+    Args:
+      codec: one of :data:`CODEC_NAMES` (or a :class:`Codec`, returned as it is).
+      block_size: elements per fp32 scale for the codecs that
+        :attr:`~Codec.supports_block_scaling`; ``None``: one scale per tensor. ``mxfp8`` and
+        ``nvfp4`` accept only their own block size.
+
+    Returns:
+      The :class:`Codec`.
+
+    Raises:
+      ValueError: an unknown name or a block size the format does not allow.
+    """
     if isinstance(codec, Codec):
         return codec
     if not isinstance(codec, str) or codec not in CODEC_NAMES:
         raise ValueError(f"codec={codec!r} is not supported; allowed values: {CODEC_NAMES}")
+    fmt = FORMATS[codec]
     if block_size is not None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size={block_size!r} must be a positive int or None")
-        if codec in ("fp32", "bf16"):
+        if fmt.scaling == "none":
             raise ValueError(
                 f"block_size={block_size} has no meaning for codec={codec!r} (no scales); "
-                "use it with 'fp8_e4m3' or 'fp8_e5m2'"
+                f"use it with one of {block_scaled_codecs()}"
             )
-        if codec == "mxfp8" and block_size != MX_BLOCK:
-            raise ValueError(f"mxfp8 uses block_size={MX_BLOCK} (OCP MX), got {block_size}")
-        if codec == "nvfp4" and block_size != NVFP4_BLOCK:
-            raise ValueError(f"nvfp4 uses block_size={NVFP4_BLOCK}, got {block_size}")
-        if codec == "nvfp4" and block_size % 2:
-            raise ValueError("nvfp4 packs two values per byte: block_size must be even")
-    if codec == "mxfp8":
-        block_size = MX_BLOCK
-    elif codec == "nvfp4":
-        block_size = NVFP4_BLOCK
+        if fmt.fixed_block is not None and block_size != fmt.fixed_block:
+            raise ValueError(f"{codec} uses block_size={fmt.fixed_block}, got {block_size}")
+    if fmt.fixed_block is not None:
+        block_size = fmt.fixed_block
     return Codec(codec, block_size)
+
+
+def block_scaled_codecs() -> tuple[str, ...]:
+    """The codecs whose ``block_size`` is a free choice (per-block fp32 scales)."""
+    return tuple(n for n in CODEC_NAMES if Codec(n).supports_block_scaling)
+
+
+def codec_variants(block_size: int = 128) -> tuple[Codec, ...]:
+    """Every wire format the quantized all-reduce produces (all but fp32's plain ``psum``):
+    each codec per tensor (or on its fixed blocks), and each that
+    :attr:`~Codec.supports_block_scaling` on blocks of ``block_size`` too. What a check over
+    "every codec" iterates, so that a new codec is checked everywhere."""
+    per_tensor = tuple(get_codec(n) for n in CODEC_NAMES if not Codec(n).is_exact)
+    return per_tensor + tuple(get_codec(n, block_size) for n in block_scaled_codecs())
+
+
+def ring_codecs() -> tuple[str, ...]:
+    """The codecs the FP8-ring emulation takes (per tensor, without ``block_size``)."""
+    return tuple(n for n in CODEC_NAMES if Codec(n).supports_ring_accumulation)
 
 
 # ---- float32 bit helpers -------------------------------------------------------------------
@@ -223,7 +333,7 @@ def amax_to_scale(amax: jax.Array, fmax: float) -> jax.Array:
 
 def leaf_scale_from_amax(amax: jax.Array, codec: Codec) -> jax.Array:
     """The per-leaf fp32 scale (per-tensor fp8, and NVFP4's second level)."""
-    fmax = codec.fmax * _E4M3_MAX if codec.name == "nvfp4" else codec.fmax
+    fmax = codec.fmax * _E4M3_MAX if codec.format.scaling == "nvfp4" else codec.fmax
     return amax_to_scale(amax, fmax)
 
 
@@ -278,10 +388,14 @@ def row_scales(parts: list[jax.Array], leaf_scale: jax.Array | None, codec: Code
     # NaN code in place (fp8 formats have NaN codes): never finite garbage. NVFP4 (no NaN
     # code) is covered by its per-tensor scale, computed with the explicit check.
     amax = row_amax(parts)
-    if codec.name == "mxfp8":
+    if codec.is_integer:  # no NaN code to fall back on: an explicit non-finite check
+        amax = jnp.where(row_amax([jnp.where(jnp.isfinite(p), 0.0, 1.0) for p in parts]) > 0,
+                         jnp.float32(jnp.inf), amax)
+    scaling = codec.format.scaling
+    if scaling == "mx":
         byte = _mx_exponent_byte(amax)
         return byte, _mx_scale(byte)
-    if codec.name == "nvfp4":
+    if scaling == "nvfp4":
         byte = _e4m3_byte(amax / (_E2M1_MAX * leaf_scale))
         return byte, _e4m3_from_byte(byte) * leaf_scale
     scale = amax_to_scale(amax, codec.fmax)
@@ -290,9 +404,10 @@ def row_scales(parts: list[jax.Array], leaf_scale: jax.Array | None, codec: Code
 
 def decode_row_scales(wire: jax.Array | None, leaf_scale: jax.Array | None, codec: Codec):
     """fp32 divisor ``[rows, 1]`` from the wire row scales and the leaf scales."""
-    if codec.name == "mxfp8":
+    scaling = codec.format.scaling
+    if scaling == "mx":
         return _mx_scale(wire)
-    if codec.name == "nvfp4":
+    if scaling == "nvfp4":
         return _e4m3_from_byte(wire) * leaf_scale
     if wire is not None:
         return wire
@@ -313,6 +428,8 @@ def uniform_from_bits(bits: jax.Array, codec: Codec) -> jax.Array:
 
 def stochastic_round(y: jax.Array, u: jax.Array, codec: Codec) -> jax.Array:
     """Unbiased stochastic rounding of float32 ``y`` onto the element grid (see module doc)."""
+    if codec.is_integer:  # spacing 1 everywhere
+        return jnp.where(jnp.isfinite(y), jnp.sign(y) * jnp.floor(jnp.abs(y) + u), y)
     emin = max(codec.min_exponent, -126 + codec.mantissa_bits)
     e = jnp.maximum(_floor_log2(y), emin)
     ulp = _pow2(e - codec.mantissa_bits)
@@ -320,7 +437,20 @@ def stochastic_round(y: jax.Array, u: jax.Array, codec: Codec) -> jax.Array:
     return jnp.where(jnp.isfinite(y), jnp.sign(y) * mag, y)
 
 
+def _round_half_even(y: jax.Array) -> jax.Array:
+    """``rint(y)`` from ``floor`` alone (Pallas' Triton lowering has no ``round``): exact, as
+    ``y − floor(y)`` is exact in float32."""
+    r = jnp.floor(y)
+    f = y - r
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return r + ((f > 0.5) | ((f == 0.5) & odd)).astype(y.dtype)
+
+
 def _saturating_cast(y: jax.Array, codec: Codec) -> jax.Array:
+    if codec.is_integer:  # saturate, then round half to even (a NaN becomes 0; it is never
+        # seen: its group's scale is NaN)
+        y = _round_half_even(jnp.clip(jnp.where(jnp.isnan(y), 0.0, y), -codec.fmax, codec.fmax))
+        return y.astype(codec.element_dtype)
     return jnp.clip(y, -codec.fmax, codec.fmax).astype(codec.element_dtype)
 
 

@@ -40,6 +40,7 @@ from gift_jax.comm.codecs import (
     encode_rows,
     get_codec,
     leaf_scale_from_amax,
+    ring_codecs,
     roundtrip,
 )
 from gift_jax.comm.kernels import backend as qk
@@ -136,10 +137,10 @@ class Collective:
                 f"accumulate={self.accumulate!r} is not supported; allowed values: {ACCUMULATE}"
             )
         if self.accumulate == "fp8":
-            if not (self.codec.name.startswith("fp8") and self.codec.block_size is None):
+            if not self.codec.supports_ring_accumulation:
                 raise ValueError(
                     "accumulate='fp8' emulates FP8 ring accumulation and needs a per-tensor "
-                    f"codec 'fp8_e4m3' or 'fp8_e5m2', got {self.codec}"
+                    f"codec, one of {ring_codecs()} without block_size, got {self.codec}"
                 )
             if not self.global_scale:
                 raise ValueError("accumulate='fp8' needs global_scale=True (shared scales)")

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from gift_jax.comm.codecs import CODEC_NAMES
+from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.data.storage import is_remote
 from gift_jax.models import LlamaConfig
 from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
@@ -514,7 +514,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         raise ConfigError(
             f"comm.distribute_refresh={config.comm.distribute_refresh!r} must be a bool "
             "(true/false)")
-    if config.comm.scaling == "block" and config.comm.codec in ("fp8_e4m3", "fp8_e5m2"):
+    if config.comm.scaling == "block" and get_codec(config.comm.codec).supports_block_scaling:
         _positive_int(config, "comm.block_size")
     for name in ("train.global_batch_size", "train.seq_len", "train.num_steps",
                  "train.grad_accum_steps", "train.log_every", "mesh.intra_size"):
@@ -542,7 +542,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         raise ConfigError(
             "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
         )
-    if (method == "none" and config.comm.codec in ("fp32", "bf16") and intra > 1
+    if (method == "none" and not get_codec(config.comm.codec).is_scaled and intra > 1
             and config.comm.intra_codec != "fp32"):
         raise ConfigError(
             f"comm.intra_codec={config.comm.intra_codec!r} applies to low-precision "

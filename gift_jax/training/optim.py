@@ -39,6 +39,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 import gift_jax
+from gift_jax.comm.codecs import get_codec
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
 from gift_jax.utils.matrices import MatrixDimensionNumbers
@@ -130,16 +131,17 @@ def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
     """The quantized all-reduce over the data axes with the config's codec settings
     (``shards``: reduce each device's local shard, see :class:`gift_jax.LocalShards`)."""
     comm = config.comm
+    scaled = get_codec(codec)
     block = None
-    if codec in ("fp8_e4m3", "fp8_e5m2") and comm.scaling == "block":
+    if scaled.supports_block_scaling and comm.scaling == "block":
         block = comm.block_size
     hierarchical = len(axes) > 1  # ('data', 'intra'): reduce over 'intra' first
     return gift_jax.allreduce(
         axes[0],
         codec=codec,
         block_size=block,
-        stochastic_rounding=comm.stochastic_rounding and codec != "fp32",
-        error_feedback=comm.error_feedback and codec != "fp32",
+        stochastic_rounding=comm.stochastic_rounding and not scaled.is_exact,
+        error_feedback=comm.error_feedback and not scaled.is_exact,
         seed=config.train.seed,
         global_scale=comm.fp8_accumulation,
         accumulate="fp8" if comm.fp8_accumulation else "fp32",

@@ -46,6 +46,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from gift_jax.comm.codecs import CODEC_NAMES, get_codec, low_precision_codecs
 from gift_jax.training.config import complete_config, load_config, set_fields
 
 __all__ = [
@@ -74,7 +75,8 @@ __all__ = [
     "wire_per_step",
 ]
 
-CODECS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+#: Every codec of the library (:data:`gift_jax.comm.codecs.CODEC_NAMES`).
+CODECS = CODEC_NAMES
 #: How the gradient travels: ``euclidean`` (the codec on the raw gradient), ``ef`` (error
 #: feedback), ``gift`` (whitened, refresh every K), ``gift_adaptive`` (refresh when stale),
 #: ``gift_routed`` (per-layer routing in the optimizer's frame), ``gift_ef`` (GIFT + error
@@ -84,9 +86,6 @@ TRANSPORTS = ("euclidean", "ef", "gift", "gift_adaptive", "gift_routed", "gift_e
 #: the wire format, one global scale), the artifact's NCCL setting.
 ACCUMULATIONS = ("fp32", "fp8")
 OPTIMIZERS = ("adamw", "muon")
-_LOW_PRECISION = ("fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
-#: The codecs the FP8 ring emulation takes (per-tensor FP8; the block-scaled ones have no ring).
-_RING_CODECS = ("fp8_e4m3", "fp8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -132,9 +131,10 @@ def meaningful(cell: Cell) -> bool:
     """Whether a cell is a distinct, runnable setting: error feedback acts only on a
     low-precision codec (the trainer switches it off for fp32), and the FP8 ring emulation
     takes only the per-tensor FP8 codecs (the all-reduce refuses the others)."""
-    if cell.accumulate == "fp8" and cell.codec not in _RING_CODECS:
+    codec = get_codec(cell.codec)
+    if cell.accumulate == "fp8" and not codec.supports_ring_accumulation:
         return False
-    return not (cell.transport in ("ef", "gift_ef") and cell.codec == "fp32")
+    return not (cell.transport in ("ef", "gift_ef") and codec.is_exact)
 
 
 def cross_product(codecs: Iterable[str] = CODECS, transports: Iterable[str] = TRANSPORTS,
@@ -150,7 +150,7 @@ def cross_product(codecs: Iterable[str] = CODECS, transports: Iterable[str] = TR
 SLICES: dict[str, Callable[[], list[Cell]]] = {
     # every codec Euclidean, the low-precision ones also with GIFT (fixed K); AdamW, fp32 sums
     "primary": lambda: (cross_product(CODECS, ("euclidean",), ("fp32",), ("adamw",))
-                        + cross_product(_LOW_PRECISION, ("gift",), ("fp32",), ("adamw",))),
+                        + cross_product(low_precision_codecs(), ("gift",), ("fp32",), ("adamw",))),
     # the harsh wires: FP8 ring accumulation (per-tensor FP8 only) and 4-bit NVFP4, with every
     # transport that could repair them
     "harsh": lambda: (cross_product(("fp8_e4m3",), ("euclidean", "gift", "gift_adaptive", "ef",
