@@ -39,7 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # ------------------------------------------------------------------ optimizer
     opt = config.optimizer = ml_collections.ConfigDict()
-    opt.name = "adamw"  # "adamw" | "muon"
+    opt.name = "adamw"  # "adamw" | "muon" | "lion" (gift_jax/training/optimizers.py)
     opt.learning_rate = 3e-3  # peak learning rate (after warmup)
     opt.final_learning_rate = 3e-4  # learning rate at the end of the decay
     opt.warmup_steps = 30  # linear warmup from 0 to the peak (< train.num_steps)

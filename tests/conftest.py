@@ -13,9 +13,21 @@ avoid_cpu_dot_crash()  # before JAX initialises (jaxlib 0.10/0.11 XLA:CPU dot cr
 
 
 import logging  # noqa: E402
+import pathlib  # noqa: E402
 import socket  # noqa: E402
 
 import pytest  # noqa: E402
+
+#: The repository's config files.
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture
+def tiny_config():
+    """A fresh copy of the completed ``configs/tiny.py`` (trainer defaults filled in)."""
+    from gift_jax.training.config import complete_config, load_config
+
+    return complete_config(load_config("tiny", CONFIGS))
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.data.storage import is_remote
 from gift_jax.models import LlamaConfig
 from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
+from gift_jax.training.optimizers import OPTIMIZER_NAMES, get_optimizer
 from gift_jax.utils.tree_paths import unmatched
 from gift_jax.whitening.factors import EIG_METHODS
 
@@ -49,7 +50,8 @@ LEGACY_COMM_MODES: dict[str, tuple[str | None, str]] = {
     "gift_fp8": (None, "gift"),
     "plumage": (None, "plumage"),
 }
-OPTIMIZERS = ("adamw", "muon")
+#: ``optimizer.name`` values (:mod:`gift_jax.training.optimizers`).
+OPTIMIZERS = OPTIMIZER_NAMES
 SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
 PROJECTORS = ("plumage", "galore", "flora")
@@ -63,6 +65,17 @@ GIFT_REFRESH_RULES = ("fixed", "adaptive")
 #: ``gift.eig_method`` values (:func:`gift_jax.whitening.factors.top_eigenpairs`).
 GIFT_EIG_METHODS = EIG_METHODS
 MUON_SCALE_MODES = ("spectral", "shape")
+#: How each ``optimizer.*`` setting an optimizer declares (:attr:`OptimizerEntry.settings`) is
+#: checked.
+_OPTIMIZER_SETTING_CHECKS = {
+    "b1": lambda c, n: _number(c, n, low=0, high=1, high_open=True),
+    "b2": lambda c, n: _number(c, n, low=0, high=1, high_open=True),
+    "eps": lambda c, n: _number(c, n, low=0, low_open=True),
+    "momentum": lambda c, n: _number(c, n, low=0, high=1, high_open=True),
+    "nesterov": lambda c, n: _bool(c, n),
+    "muon_scale_mode": lambda c, n: _choice(c, n, MUON_SCALE_MODES),
+    "muon_extra_scale_factor": lambda c, n: _number(c, n, low=0, low_open=True),
+}
 
 #: Settings the trainer adds when a config file does not define them.
 TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -365,9 +378,10 @@ def _bool(config, name: str) -> None:
 def _validate_optimizer(config) -> None:
     """The optimizer and its schedule: a positive finite peak learning rate, a final rate in
     ``[0, learning_rate]`` (unless the schedule is constant), a warmup shorter than the run,
-    Adam's decays in ``[0, 1)``, a positive epsilon, non-negative weight decay and clipping,
-    and Muon's momentum and scale when Muon runs. A negative rate would train uphill and an
-    infinite one would skip every step, both silently."""
+    non-negative weight decay and clipping, and the settings the optimizer's registry entry
+    reads (Adam's decays in ``[0, 1)``, a positive epsilon, Muon's momentum and scale…). A
+    negative rate would train uphill and an infinite one would skip every step, both
+    silently."""
     opt = "optimizer"
     peak = _number(config, f"{opt}.learning_rate", low=0, low_open=True)
     final = _number(config, f"{opt}.final_learning_rate", low=0)
@@ -385,15 +399,10 @@ def _validate_optimizer(config) -> None:
         raise ConfigError(
             f"optimizer.warmup_steps={warmup} must be < {length}={steps} (the warmup "
             "would end after the run, never reaching optimizer.learning_rate)")
-    for name in ("b1", "b2"):
-        _number(config, f"{opt}.{name}", low=0, high=1, high_open=True)
-    _number(config, f"{opt}.eps", low=0, low_open=True)
     _number(config, f"{opt}.weight_decay", low=0)
     _number(config, f"{opt}.grad_clip_norm", low=0)
-    if config.optimizer.name == "muon":
-        _number(config, f"{opt}.momentum", low=0, high=1, high_open=True)
-        _bool(config, f"{opt}.nesterov")
-        _number(config, f"{opt}.muon_extra_scale_factor", low=0, low_open=True)
+    for field in get_optimizer(config.optimizer.name).settings:
+        _OPTIMIZER_SETTING_CHECKS[field](config, f"{opt}.{field}")
 
 
 def _validate_model(config) -> None:
@@ -477,7 +486,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     _choice(config, "comm.method", METHODS)
     _choice(config, "optimizer.name", OPTIMIZERS)
     _choice(config, "optimizer.schedule", SCHEDULES)
-    _choice(config, "optimizer.muon_scale_mode", MUON_SCALE_MODES)
     _choice(config, "comm.scaling", SCALINGS)
     _choice(config, "comm.intra_codec", CODEC_NAMES)
     _validate_tokenizer(config)
@@ -487,7 +495,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         _positive_int(config, "plumage.rank")
         _positive_int(config, "plumage.refresh_every")
         _number(config, "plumage.scale", low=0, low_open=True)
-        if config.optimizer.name != "adamw":
+        if not get_optimizer(config.optimizer.name).plumage:
             raise ConfigError(
                 f"optimizer.name={config.optimizer.name!r} cannot be combined with "
                 "comm.method='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"

@@ -31,6 +31,7 @@ import optax
 from gift_jax.training import optim
 from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError, schedule_length
 from gift_jax.training.optim import GradNormState, learning_rate_schedule, skip_nonfinite
+from gift_jax.training.optimizers import decay_mask, get_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +272,7 @@ class PlumagePlan(CommPlan):
             rank=pl.rank,
             refresh_every=pl.refresh_every,
             weight_decay=opt.weight_decay,
-            weight_decay_mask=optim.decay_mask,
+            weight_decay_mask=decay_mask,
             strategy=pl.projector,
             realign=pl.realign_moments,
             b1=opt.b1,
@@ -291,11 +292,11 @@ class PlumagePlan(CommPlan):
 
 def route_frame(config: ml_collections.ConfigDict) -> str:
     """``gift.route_frame`` of a validated config, ``"optimizer"`` resolved to the frame of the
-    update the optimizer takes from the reduced gradient (``"adam"`` for AdamW, ``"muon"``
-    for Muon)."""
+    update the optimizer takes from the reduced gradient (its registry entry's
+    :attr:`~gift_jax.training.optimizers.OptimizerEntry.route_frame`)."""
     frame = config.gift.get("route_frame", "off")
     if frame == "optimizer":
-        return "muon" if config.optimizer.name == "muon" else "adam"
+        return get_optimizer(config.optimizer.name).route_frame
     return frame
 
 

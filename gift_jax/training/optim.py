@@ -36,19 +36,17 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from optax.contrib import MuonDimensionNumbers
 
 import gift_jax
 from gift_jax.comm.codecs import get_codec
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
+from gift_jax.training.optimizers import STACKED_AXES, get_optimizer
 from gift_jax.utils.matrices import MatrixDimensionNumbers
-from gift_jax.utils.tree_paths import flat_paths, leaf_path, matches, path_mask, require_matches
+from gift_jax.utils.tree_paths import flat_paths, leaf_path, path_mask, require_matches
 
 log = logging.getLogger("gift_jax.training")
 
-#: Parameters kept off Muon and off low-rank projection (embeddings, output head).
-DENSE_PATTERNS = ("embed/*", "lm_head/*")
 
 
 # ---- schedule -------------------------------------------------------------------------------
@@ -165,46 +163,10 @@ def clip_stages(config) -> list[optax.GradientTransformation]:
     return [optax.clip_by_global_norm(c)] if c and c > 0 else []
 
 
-def decay_mask(params):
-    """Weight decay on matrices only."""
-    return jax.tree.map(lambda x: x.ndim >= 2, params)
-
-
 def dense_optimizer(config, schedule) -> optax.GradientTransformation:
-    """AdamW, or Muon on the matrices (outside :data:`DENSE_PATTERNS`) + AdamW on the rest."""
-    opt = config.optimizer
-    if opt.name == "adamw":
-        return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                           weight_decay=opt.weight_decay, mask=decay_mask)
-
-    def muon_dims(params):
-        def dims(path, x):
-            if x.ndim == 2 and not matches(leaf_path(path), DENSE_PATTERNS):
-                return MuonDimensionNumbers()
-            if x.ndim == 3 and config.model.scan_layers:  # (layers, in, out)
-                return MuonDimensionNumbers(*STACKED_AXES)
-            return None
-
-        return jax.tree_util.tree_map_with_path(dims, params)
-
-    return optax.contrib.muon(
-        schedule,
-        beta=opt.momentum,
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-        weight_decay_mask=decay_mask,
-        nesterov=opt.nesterov,
-        adam_b1=opt.b1,
-        adam_b2=opt.b2,
-        adam_weight_decay=opt.weight_decay,
-        muon_weight_dimension_numbers=muon_dims,
-        consistent_rms=(opt.muon_extra_scale_factor
-                        if opt.muon_scale_mode == "spectral" else None),
-    )
-
-
-#: ``(reduction, output)`` axes of a stacked ``(layers, in, out)`` kernel (model.scan_layers).
-STACKED_AXES = (1, 2)
+    """The update rule of ``optimizer.name`` (its :mod:`~gift_jax.training.optimizers` entry)."""
+    return get_optimizer(config.optimizer.name).build(config.optimizer, schedule,
+                                                      config.model.scan_layers)
 
 
 def gift_dimension_numbers(config) -> dict | None:

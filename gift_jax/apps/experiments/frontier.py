@@ -48,6 +48,7 @@ import numpy as np
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec, low_precision_codecs
 from gift_jax.training.config import complete_config, load_config, set_fields
+from gift_jax.training.optimizers import OPTIMIZER_NAMES
 
 __all__ = [
     "ACCUMULATIONS",
@@ -85,7 +86,8 @@ TRANSPORTS = ("euclidean", "ef", "gift", "gift_adaptive", "gift_routed", "gift_e
 #: ``fp32``: the library's fp32 sums; ``fp8``: the emulated FP8 ring (partial sums rounded to
 #: the wire format, one global scale), the artifact's NCCL setting.
 ACCUMULATIONS = ("fp32", "fp8")
-OPTIMIZERS = ("adamw", "muon")
+#: Every optimizer of the registry (:mod:`gift_jax.training.optimizers`).
+OPTIMIZERS = OPTIMIZER_NAMES
 
 
 @dataclasses.dataclass(frozen=True, order=True)

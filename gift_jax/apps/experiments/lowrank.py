@@ -40,7 +40,8 @@ from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.models import LlamaConfig, param_shapes
 from gift_jax.training.config import complete_config, load_config, set_fields
 from gift_jax.training.loop import Trainer
-from gift_jax.training.optim import DENSE_PATTERNS, learning_rate_schedule
+from gift_jax.training.optim import learning_rate_schedule
+from gift_jax.training.optimizers import DENSE_PATTERNS
 from gift_jax.utils.timing import interleaved_times
 from gift_jax.utils.tree_paths import leaf_path, matches
 
@@ -142,7 +143,7 @@ class CompareSettings:
 
 def dense_mask() -> Callable[[Any], Any]:
     """Projection mask: every ≥2-D leaf except the embedding and the output head (the
-    trainer's :data:`~gift_jax.training.optim.DENSE_PATTERNS`)."""
+    trainer's :data:`~gift_jax.training.optimizers.DENSE_PATTERNS`)."""
     return mask_excluding(*DENSE_PATTERNS)
 
 
