@@ -33,6 +33,7 @@ from gift_jax.comm.collectives import (
 )
 from gift_jax.comm.stage import (
     AllReduceState,
+    AllReduceTransformation,
     LocalShards,
     allreduce,
     allreduce_axis,
@@ -75,6 +76,7 @@ __all__ = [
     "AdaptiveRefresh",
     "AllReduceSpec",
     "AllReduceState",
+    "AllReduceTransformation",
     "CODEC_NAMES",
     "Codec",
     "GiftDimensionNumbers",

@@ -169,7 +169,7 @@ def test_state_layout_and_partition_specs(mesh):
 
 @pytest.mark.parametrize(
     "kwargs,exc,match",
-    [({"codec": "int8"}, ValueError, "codec='int8'.*allowed values"),
+    [({"codec": "int4"}, ValueError, "codec='int4'.*allowed values"),
      ({"block_size": -4}, ValueError, "block_size=-4"),
      ({"backend": "triton"}, ValueError, "backend='triton'"),
      ({"accumulate": "fp8"}, ValueError, "global_scale"),

@@ -49,8 +49,24 @@ class AllReduceState(NamedTuple):
     residuals: Any  # error-feedback buffers (per device, leading axis 1), or None
 
 
-_SPEC_ATTRIBUTE = "allreduce_spec"
-_SHARDS_ATTRIBUTE = "allreduce_shards"
+class AllReduceTransformation(optax.GradientTransformation):
+    """What :func:`allreduce` returns: optax's ``(init, update)`` pair, which also declares the
+    static facts of its reduction, read through :func:`allreduce_spec` and
+    :func:`allreduce_shards` by the stages that wrap it (GIFT's routing and error-feedback
+    reframing, :func:`transport_only`).
+
+    Attributes:
+      spec: the :class:`~gift_jax.comm.collectives.AllReduceSpec` (axes, codec, bucket plan).
+      shards: the :class:`LocalShards` it reduces on, or ``None`` (whole leaves).
+    """
+
+    spec: AllReduceSpec
+    shards: LocalShards | None
+
+    def __new__(cls, init, update, spec: AllReduceSpec, shards: LocalShards | None = None):
+        self = super().__new__(cls, init, update)
+        self.spec, self.shards = spec, shards
+        return self
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -103,7 +119,7 @@ def allreduce(
     intra_codec: str | Codec = "fp32",
     shards: LocalShards | None = None,
     stack_axes: Any = None,
-) -> optax.GradientTransformation:
+) -> AllReduceTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
     Args:
@@ -194,9 +210,7 @@ def allreduce(
                 check_vma=False)(updates, sub, state.residuals)
         return reduced, AllReduceState(key, residuals)
 
-    setattr(update_fn, _SPEC_ATTRIBUTE, spec)  # read through allreduce_spec(stage)
-    setattr(update_fn, _SHARDS_ATTRIBUTE, shards)  # read through allreduce_shards(stage)
-    return optax.GradientTransformation(init_fn, update_fn)
+    return AllReduceTransformation(init_fn, update_fn, spec, shards)
 
 
 def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
@@ -256,16 +270,16 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
     axes, codec and bucket plan, ``spec.plan(tree)``), or ``None`` for any other transformation.
 
     The protocol by which stages that wrap the all-reduce (GIFT) learn what it does: the stage
-    carries its static spec, and this accessor is the one place that reads it (what such a
-    stage does with its error-feedback buffers goes through :func:`reframe_error_feedback`).
+    is an :class:`AllReduceTransformation` that declares its static spec, and this accessor is
+    the one place that reads it (what such a stage does with its error-feedback buffers goes
+    through :func:`reframe_error_feedback`).
     """
-    spec = getattr(stage.update, _SPEC_ATTRIBUTE, None)
-    return spec if isinstance(spec, AllReduceSpec) else None
+    return stage.spec if isinstance(stage, AllReduceTransformation) else None
 
 
 def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
     """The :class:`LocalShards` an :func:`allreduce` stage reduces on, or ``None``."""
-    return getattr(stage.update, _SHARDS_ATTRIBUTE, None)
+    return stage.shards if isinstance(stage, AllReduceTransformation) else None
 
 
 def transport_only(stage: optax.GradientTransformation, full_tree: Any,
