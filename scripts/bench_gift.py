@@ -10,12 +10,12 @@ on tiny-model gradients (GIFT on the down_proj layers) and on one GIFT-600M down
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
-if "jax" not in sys.modules:  # simulate a data-parallel mesh on the CPU when no accelerator
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from gift_jax.utils.cpu_devices import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)  # a data-parallel mesh on a CPU host (an XLA_FLAGS count wins)
 
 import jax  # noqa: E402
 

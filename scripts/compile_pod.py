@@ -112,11 +112,13 @@ def main(argv=None) -> int:
         return 2
     devices = args.devices or (None if args.topology else 64)
     if "jax" not in sys.modules:
-        if devices:
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                       f" --xla_force_host_platform_device_count={devices}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
+
+    from gift_jax.utils.cpu_devices import simulate_cpu_devices
+
+    if devices:
+        simulate_cpu_devices(devices)  # an XLA_FLAGS count set before this script wins
 
     from gift_jax.apps.pod import MODES, compile_mode, markdown_table, mode_config
     from gift_jax.training.config import ConfigError, apply_overrides, load_config

@@ -32,8 +32,11 @@ import jax
 import ml_collections
 import numpy as np
 from etils import epath
+from flax import nnx
 
-from gift_jax.models import LlamaConfig, count_params
+from gift_jax.data import batch_iterator, get_source, stream_batches, vocab_mismatch
+from gift_jax.data.stream import default_workers, global_state
+from gift_jax.models import Llama, LlamaConfig, count_params
 from gift_jax.training.checkpoint import Checkpointer
 from gift_jax.training.config import (
     ConfigError,
@@ -90,9 +93,6 @@ def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
     Returns:
       The batch function (see :data:`BatchFn`), the tokenizer's vocabulary and the splits.
     """
-    from gift_jax.data import batch_iterator, get_source, stream_batches
-    from gift_jax.data.stream import default_workers
-
     source = get_source(spec=spec, data_dir=data_dir, tokenizer=tokenizer)
     if pipeline == "grid":
         def batches(split, global_batch, seq_len, **kwargs):
@@ -201,10 +201,6 @@ def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
 def _parameter_paths(model_config: LlamaConfig) -> list[str]:
     """The model's parameter paths (``layers/0/mlp/down_proj/kernel``), from abstract shapes:
     nothing is allocated or compiled."""
-    from flax import nnx
-
-    from gift_jax.models import Llama
-
     abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
     return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
 
@@ -279,8 +275,6 @@ class Trainer:
         _warn_if_nothing_to_communicate(config, len(devices))
         splits: tuple[str, ...] = ("train", "validation")
         if batches is None:
-            from gift_jax.data import vocab_mismatch
-
             mismatch = vocab_mismatch(model_config.vocab_size, config.data.tokenizer)
             if mismatch:  # before the corpus or the tokenizer is prepared on disk
                 raise ConfigError(mismatch)
@@ -433,8 +427,6 @@ class Trainer:
         it = self._train_it
         if it is None or not hasattr(it, "state"):
             return self.data_state  # not read since the restore (or no state to keep)
-        from gift_jax.data.stream import global_state
-
         mine = it.state()
         if jax.process_count() == 1:
             return global_state([mine])

@@ -28,10 +28,21 @@ import jax
 import ml_collections
 import optax
 
+from gift_jax.comm.stage import reset_error_feedback
+from gift_jax.lowrank import find_plumage_state, plumage
+from gift_jax.lowrank import refresh_due as plumage_refresh_due
 from gift_jax.training import optim
 from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError, schedule_length
 from gift_jax.training.optim import GradNormState, learning_rate_schedule, skip_nonfinite
 from gift_jax.training.optimizers import decay_mask, get_optimizer
+from gift_jax.utils.axes import axis_name_of
+from gift_jax.whitening.stage import (
+    coverage_bases,
+    gift,
+    refresh_due_adaptive,
+    whitened_fraction,
+)
+from gift_jax.whitening.stage import refresh_due as gift_refresh_due
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,18 +162,14 @@ class GiftPlan(CommPlan):
     def refresh_due(self, step: int, opt_state: Any) -> bool:
         """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when
         the GIFT state's staleness signal says so (reads it from ``opt_state``)."""
-        from gift_jax.whitening.stage import refresh_due, refresh_due_adaptive
-
         if self.adaptive_refresh is None:
-            return refresh_due(step, self.refresh_every)
+            return gift_refresh_due(step, self.refresh_every)
         return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
                                     *self.adaptive_refresh)
 
     def coverage_bases(self, refresh, opt_state):
         """Adaptive refresh: on ordinary steps, the bases of the GIFT state's factors (the
         step measures its layers' input coverage in them, :mod:`gift_jax.whitening.capture`)."""
-        from gift_jax.whitening.stage import coverage_bases
-
         if refresh or self.adaptive_refresh is None:
             return None
         return coverage_bases(optax.tree.get(opt_state, "GiftState")) or None
@@ -176,8 +183,6 @@ class GiftPlan(CommPlan):
         """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
         and ``gift/whitened/<layer path>`` (fraction of that leaf's matrices, e.g. the layers
         of a scanned stack) sent through the whitened transport until the next refresh."""
-        from gift_jax.whitening.stage import whitened_fraction
-
         state = optax.tree.get(opt_state, "GiftState")
         frac = whitened_fraction(state)
         if frac is None:
@@ -190,9 +195,7 @@ class GiftPlan(CommPlan):
     def roundtrip(self, stage, grads, inner_state):
         """The GIFT stage with its current factors and zeroed error-feedback buffers; returns
         the factors of single-block layers for the whitened-frame error."""
-        import gift_jax
-
-        gift_state = gift_jax.reset_error_feedback(optax.tree.get(inner_state, "GiftState"))
+        gift_state = reset_error_feedback(optax.tree.get(inner_state, "GiftState"))
         approx, _ = stage.update(grads, gift_state)
         factors = {path: jax.tree.map(lambda x: x[0], f)
                    for path, f in gift_state.factors.items()
@@ -200,8 +203,6 @@ class GiftPlan(CommPlan):
         return approx, factors or None
 
     def build(self, config, axes, schedule):
-        from gift_jax.whitening.stage import gift
-
         g = config.gift
         stage = gift(
             optim.allreduce_stage(config, axes, self.codec, self.shards),
@@ -212,7 +213,7 @@ class GiftPlan(CommPlan):
             damping=g.damping,
             eig_method=g.eig_method,
             ema=g.ema,
-            axis_name=axes if len(axes) > 1 else axes[0],
+            axis_name=axis_name_of(axes),
             two_sided=self.gift_two_sided,
             distribute_refresh=config.comm.distribute_refresh,
             seed=config.train.seed,
@@ -234,10 +235,8 @@ class PlumagePlan(CommPlan):
     name = "plumage"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
-        from gift_jax.lowrank import refresh_due
-
         del step
-        return bool(refresh_due(opt_state))
+        return bool(plumage_refresh_due(opt_state))
 
     def update_kwargs(self, refresh, stats):
         return {"plumage_refresh": refresh, **super().update_kwargs(refresh, stats)}
@@ -245,15 +244,11 @@ class PlumagePlan(CommPlan):
     def grad_norm(self, inner_state, refresh):
         """PLUMAGE keeps two communication states (ordinary and refresh steps): the one used
         (refresh steps fall back to the ordinary one when no separate refresh stage exists)."""
-        from gift_jax.lowrank import find_plumage_state
-
         state = find_plumage_state(inner_state)
         found = _grad_norm_state(state.refresh_comm_state) if refresh else None
         return (_grad_norm_state(state.comm_state) if found is None else found).norm
 
     def build(self, config, axes, schedule):
-        from gift_jax.lowrank import plumage
-
         if self.update_rule is not None:
             raise ConfigError("an update_rule replaces the dense optimizer; with "
                               "comm.method='plumage' PLUMAGE is the optimizer")
@@ -284,7 +279,7 @@ class PlumagePlan(CommPlan):
             weight_dimension_numbers=dims,
             communicate=communicate,
             communicate_refresh=communicate_refresh,
-            axis_name=axes if len(axes) > 1 else axes[0],
+            axis_name=axis_name_of(axes),
             distribute_refresh=config.comm.distribute_refresh,
         )
         return tx, stage

@@ -37,13 +37,15 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-import gift_jax
 from gift_jax.comm.codecs import get_codec
+from gift_jax.comm.stage import allreduce
 from gift_jax.lowrank.views import resolve_layouts
 from gift_jax.training.config import GIFT_REMAINDERS
 from gift_jax.training.optimizers import STACKED_AXES, get_optimizer
+from gift_jax.utils.axes import axis_name_of
 from gift_jax.utils.matrices import MatrixDimensionNumbers
 from gift_jax.utils.tree_paths import flat_paths, leaf_path, path_mask, require_matches
+from gift_jax.whitening.stage import gift
 
 log = logging.getLogger("gift_jax.training")
 
@@ -134,7 +136,7 @@ def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
     if scaled.supports_block_scaling and comm.scaling == "block":
         block = comm.block_size
     hierarchical = len(axes) > 1  # ('data', 'intra'): reduce over 'intra' first
-    return gift_jax.allreduce(
+    return allreduce(
         axes[0],
         codec=codec,
         block_size=block,
@@ -194,8 +196,6 @@ def projected_gift(config, stage, axes, route_frame: str = "off"
     coordinates at each refresh. The rank is PLUMAGE's alone: GIFT reads ``k`` from the
     coordinates it is initialised on and the layers' input widths from PLUMAGE's hook
     (:meth:`~gift_jax.whitening.stage.GiftState.with_input_widths`)."""
-    from gift_jax.whitening.stage import gift
-
     g = config.gift
     return gift(
         stage,
@@ -206,7 +206,7 @@ def projected_gift(config, stage, axes, route_frame: str = "off"
         damping=g.damping,
         eig_method=g.eig_method,
         ema=g.ema,
-        axis_name=axes if len(axes) > 1 else axes[0],
+        axis_name=axis_name_of(axes),
         distribute_refresh=config.comm.distribute_refresh,
         seed=config.train.seed,
         route_frame=route_frame,

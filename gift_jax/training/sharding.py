@@ -37,11 +37,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import gift_jax
-from gift_jax.comm.stage import LocalShards
+from gift_jax.comm.stage import LocalShards, partition_specs
 from gift_jax.models import LlamaConfig, logical_axes, param_shapes
 from gift_jax.training.config import ConfigError
 from gift_jax.training.mesh import DEFAULT_RULES, MODEL_AXES, data_axes, model_axes
+from gift_jax.utils.axes import axis_name_of
 
 
 def _rule_axis(rules: Mapping[str, str], name: str) -> str | None:
@@ -266,8 +266,8 @@ def state_specs(opt_state: Any, layout: ParamLayout, mesh: Mesh) -> Any:
     buffers per device (:func:`gift_jax.partition_specs`), every leaf under a parameter's
     path split like it (:meth:`ParamLayout.spec_at`), the rest replicated."""
     axes = data_axes(mesh)
-    axis = axes[0] if len(axes) == 1 else axes
-    per_device = gift_jax.partition_specs(opt_state, axis, layout.local_shards(mesh))
+    axis = axis_name_of(axes)
+    per_device = partition_specs(opt_state, axis, layout.local_shards(mesh))
 
     def spec(path, x, device_spec):
         if device_spec != P():

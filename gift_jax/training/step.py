@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import gift_jax
+from gift_jax.comm.wire import WireReport, parse_hlo
 from gift_jax.models import Llama, LlamaConfig, next_token_loss
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
 from gift_jax.training.method import Optimizer
@@ -51,6 +51,9 @@ from gift_jax.training.sharding import (
     shardings,
     state_specs,
 )
+from gift_jax.utils.axes import axis_name_of
+from gift_jax.whitening.capture import kfac_value_and_grad, with_input_coverage, with_input_stats
+from gift_jax.whitening.fidelity import fidelity_report
 
 Params = Any
 OptState = Any
@@ -140,14 +143,10 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
 
     def one(p, toks):
         if capture_layers and two_sided:
-            from gift_jax.whitening.capture import kfac_value_and_grad
-
             fn = kfac_value_and_grad(loss_fn, capture_layers)
             (loss, stats), g = fn(model_def.merge(p), toks)
             return loss, nnx.to_pure_dict(g), stats
         if capture_layers or coverage_bases:
-            from gift_jax.whitening.capture import with_input_coverage, with_input_stats
-
             fn = (with_input_stats(loss_fn, capture_layers) if capture_layers
                   else with_input_coverage(loss_fn, coverage_bases))
             (loss, stats), g = jax.value_and_grad(
@@ -251,10 +250,8 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
     Metrics are :func:`gift_jax.whitening.fidelity.fidelity_report`'s aggregate (plus the
     whitened error of GIFT's selected layers).
     """
-    from gift_jax.whitening.fidelity import fidelity_report
-
     axes = data_axes(mesh)
-    axis = axes[0] if len(axes) == 1 else axes
+    axis = axis_name_of(axes)
 
     def body(params, opt_state, tokens):
         # the first microbatch (strided on a sharded mesh: rows stay split over fsdp)
@@ -302,7 +299,7 @@ class TrainStep:
                                  sharding=self.batch_sharding),
         )
         self._compiled: dict[bool, jax.stages.Compiled] = {}
-        self._wire: dict[bool, gift_jax.WireReport] = {}
+        self._wire: dict[bool, WireReport] = {}
         self.compile_count = 0
 
     def abstract_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
@@ -342,11 +339,11 @@ class TrainStep:
                  refresh: bool = False) -> tuple[Params, OptState, Metrics]:
         return self.compiled(refresh)(params, opt_state, batch)
 
-    def wire_report(self, refresh: bool = False) -> gift_jax.WireReport:
+    def wire_report(self, refresh: bool = False) -> WireReport:
         """Collectives of a variant and their bytes per device (from the compiled HLO)."""
         refresh = bool(refresh) and True in self.variants()
         if refresh not in self._wire:
-            self._wire[refresh] = gift_jax.parse_hlo(self.compiled(refresh).as_text(),
+            self._wire[refresh] = parse_hlo(self.compiled(refresh).as_text(),
                                                      mesh=self.mesh)
         return self._wire[refresh]
 

@@ -22,6 +22,11 @@ def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
+def axis_name_of(axes: tuple[str, ...]) -> AxisName:
+    """The ``axis_name`` collectives take for ``axes``: the name of one axis, else the tuple."""
+    return axes if len(axes) > 1 else axes[0]
+
+
 def axis_size(axis_name: AxisName) -> int:
     """Size of a bound (tuple of) mesh axis, with a clear error when it is not bound."""
     try:
