@@ -330,7 +330,7 @@ def test_object_storage_workdir_end_to_end(gcs_bucket, tmp_path):
                                         r"the data-parallel size 8"),
      ({"comm.method": "int4"}, r"comm\.method='int4' is not supported; allowed: none, gift, "
                                r"plumage"),
-     ({"optimizer.name": "lion"}, r"optimizer\.name='lion' is not supported; allowed: adamw"),
+     ({"optimizer.name": "sgd"}, r"optimizer\.name='sgd' is not supported; allowed: adamw"),
      ({"comm.codec": "fp6"}, r"comm\.codec='fp6' is not supported; allowed: fp32, bf16, "
                              r"fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"),
      ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),

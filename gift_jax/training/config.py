@@ -1,8 +1,9 @@
 """Run configuration for the trainer: defaults, command-line overrides, validation, comparison.
 
-A run is ``configs/base.py`` + a model/experiment config + overrides. The trainer needs a few
-settings that older config files may lack; :func:`complete_config` fills them in from
-:data:`TRAINER_DEFAULTS` (so ``--config.train.grad_accum_steps=4`` works on any config file).
+A run is the defaults (:func:`gift_jax.training.defaults.default_config`, which
+``configs/base.py`` is) + a model/experiment config + overrides. A config that lacks a setting
+(an older config file, a checkpoint's stored config) gets its default from
+:func:`complete_config` (so ``--config.train.grad_accum_steps=4`` works on any config file).
 
 Gradient communication is two settings: ``comm.codec`` (the wire format) and ``comm.method``
 (``none | gift | plumage``; :mod:`gift_jax.training.method`). Config files and checkpoints
@@ -32,7 +33,8 @@ import ml_collections
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.data.storage import is_remote
 from gift_jax.models import LlamaConfig
-from gift_jax.training.mesh import DEFAULT_RULES, mesh_shape
+from gift_jax.training.defaults import default_config
+from gift_jax.training.mesh import mesh_shape
 from gift_jax.training.optimizers import OPTIMIZER_NAMES, get_optimizer
 from gift_jax.utils.tree_paths import unmatched
 from gift_jax.whitening.factors import EIG_METHODS
@@ -77,57 +79,9 @@ _OPTIMIZER_SETTING_CHECKS = {
     "muon_extra_scale_factor": lambda c, n: _number(c, n, low=0, low_open=True),
 }
 
-#: Settings the trainer adds when a config file does not define them.
-TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mesh": {
-        "data": -1,  # data-parallel replicas (-1: the devices left by fsdp x tensor)
-        "fsdp": 1,  # parameters/gradients/optimizer state/batch split within a replica
-        "tensor": 1,  # attention heads and MLP hidden dimension split (Megatron)
-        # logical axis -> mesh axis ('' = replicated), see gift_jax/training/sharding.py
-        "rules": dict(DEFAULT_RULES),
-        "intra_size": 1,  # >1: hierarchical all-reduce: 'data' split into ('data', 'intra')
-    },
-    "comm": {
-        "intra_codec": "fp32",  # codec of the intra-node reduce-scatter (hierarchical only)
-        "distribute_refresh": True,  # spread GIFT/PLUMAGE refresh decompositions over replicas
-    },
-    "optimizer": {
-        "schedule_steps": 0,  # length of the learning-rate schedule; 0: train.num_steps
-    },
-    "train": {
-        # a resumed run whose train.num_steps changed: keep the schedule's length (past its
-        # end the learning rate stays at optimizer.final_learning_rate) | stretch it to the
-        # new train.num_steps (the learning rate jumps at the resumed step)
-        "extend_schedule": "keep",
-        "grad_accum_steps": 1,  # microbatches per optimizer step (one all-reduce per step)
-        "diagnostics_every": 100,  # steps between wire-bytes/fidelity logs; 0 disables
-        "keep_checkpoints": 3,  # most recent checkpoints kept on disk
-        "max_consecutive_skips": 20,  # stop after this many skipped steps in a row; 0: never
-        "skip_warning_fraction": 0.2,  # warn when a logged window skips more than this
-    },
-    "gift": {
-        "two_sided": False,  # gift_fp8: also whiten the output side with B = E[g gᵀ]
-        "route_frame": "off",  # per-layer routing by measured round trip; off: always whiten
-        "refresh": "fixed",  # fixed: every refresh_every steps | adaptive: when the basis is stale
-        "refresh_threshold": 0.975,  # adaptive: input coverage / its value at the last refresh
-        "min_refresh_every": 5,  # adaptive: fewest steps between refreshes
-        "max_refresh_every": 200,  # adaptive: most steps between refreshes
-        # top-r eigenpairs of A on refreshes: "eigh" (exact, O(n³)) | "subspace" (randomized
-        # subspace iteration warm-started from the last basis, O(n²r): the pod configs')
-        "eig_method": "eigh",
-    },
-    "plumage": {
-        "gift": False,  # plumage: GIFT-whiten the projected coordinates of gift.layers
-    },
-    "data": {
-        "tokenizer": "byte",  # byte | PATH.model | PATH/tokenizer.json | spm:N | bpe:N
-        # grid: windows of the split's whole token stream (one pass over it first) | stream:
-        # documents read and tokenized as training consumes them (grain; gift_jax.data.stream)
-        "pipeline": "grid",
-        "workers": -1,  # stream: worker processes that read and tokenize (-1: the host's cores)
-        "id_cache": "",  # stream: local dir where ids are cached per shard as training runs
-    },
-}
+#: Every setting's default by group (:func:`gift_jax.training.defaults.default_config`, the one
+#: table): what :func:`complete_config` adds when a config does not define a setting.
+TRAINER_DEFAULTS: dict[str, dict[str, Any]] = default_config().to_dict()
 
 #: How a resumed run whose ``train.num_steps`` changed lays out its learning-rate schedule
 #: (see :func:`extend_schedule`).
