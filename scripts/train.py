@@ -5,7 +5,7 @@
         [--resume[=auto]] [--stop_after N]
 
 Any config field can be overridden with ``--config.<group>.<field>=<value>``; communication is
-``comm.codec`` (fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4) + ``comm.method`` (none |
+``comm.codec`` (fp32 | bf16 | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4 | int8) + ``comm.method`` (none |
 gift | plumage). ``--tokenizer`` sets ``data.tokenizer``: ``byte``, a SentencePiece ``PATH.model``,
 a Hugging Face ``PATH/tokenizer.json``, or ``spm:N`` / ``bpe:N`` trained on the train split
 (``model.vocab_size`` must be its vocabulary padded to a multiple of 128). Multi-host: pass

@@ -3,7 +3,7 @@
 A run's gradient communication is two settings:
 
 * ``comm.codec`` — the wire format of the all-reduce (``fp32 | bf16 | fp8_e4m3 | fp8_e5m2 |
-  mxfp8 | nvfp4``, with ``comm.scaling`` / ``comm.block_size``);
+  mxfp8 | nvfp4 | int8``, with ``comm.scaling`` / ``comm.block_size``);
 * ``comm.method`` — what is done around it: ``none`` (a plain quantized all-reduce),
   ``gift`` (GIFT whitening of ``gift.layers``, factors refreshed every ``gift.refresh_every``
   steps) or ``plumage`` (PLUMAGE low-rank Adam, which reduces the projected coordinates; with
