@@ -1,9 +1,9 @@
 """The README demo: the tiny Llama on 8 data-parallel devices, trained from the same seed with
 each communication mode, compared in one table and one loss-curve plot.
 
-A demo mode is a label for a ``(comm.codec, comm.method)`` pair (:data:`DEMO_SETTINGS`); the
-low-precision modes use the config file's codec when it sets a low-precision one (``tiny``
-does not: FP8 e4m3).
+A demo mode is a label for a ``(comm.codec, comm.method)`` pair
+(:data:`gift_jax.training.config.COMM_MODES`); the low-precision modes use the config file's
+codec when it sets a low-precision one (``tiny`` does not: FP8 e4m3).
 
 Columns: the mode with its settings (:func:`describe_mode`); final eval loss; wire bytes per
 step relative to the fp32 all-reduce (from each run's compiled HLO); the one-step round-trip
@@ -21,31 +21,25 @@ import shutil
 
 from gift_jax.comm.codecs import get_codec
 from gift_jax.training import train
-from gift_jax.training.config import apply_overrides, complete_config, load_config
+from gift_jax.training.config import (
+    apply_overrides,
+    complete_config,
+    load_config,
+    resolve_comm_mode,
+)
 
-#: Demo mode label → ``(comm.codec, comm.method)``; codec ``None``: the config file's
-#: low-precision codec, else :data:`DEFAULT_LOW_PRECISION_CODEC`.
-DEMO_SETTINGS = {
-    "fp32": ("fp32", "none"),  # the exact fp32 all-reduce
-    "fp8": (None, "none"),  # Euclidean FP8 (e4m3, per tensor)
-    "gift_fp8": (None, "gift"),  # GIFT-whitened FP8
-    "plumage": (None, "plumage"),  # PLUMAGE's projected coordinates in FP8
-}
-DEFAULT_LOW_PRECISION_CODEC = "fp8_e4m3"
-DEMO_MODES = tuple(DEMO_SETTINGS)
+#: The demo's modes (:data:`gift_jax.training.config.COMM_MODES`): the exact fp32 all-reduce,
+#: Euclidean FP8 (e4m3, per tensor), GIFT-whitened FP8, PLUMAGE's projected coordinates in FP8.
+DEMO_MODES = ("fp32", "fp8", "gift_fp8", "plumage")
 
 
 def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     """The tiny config with the ``(comm.codec, comm.method)`` of demo mode ``mode`` and a
     short schedule."""
-    if mode not in DEMO_SETTINGS:
+    if mode not in DEMO_MODES:
         raise ValueError(f"demo mode {mode!r} is not one of {', '.join(DEMO_MODES)}")
-    codec, method = DEMO_SETTINGS[mode]
     config = complete_config(load_config(config_file))
-    if codec is None:
-        codec = config.comm.codec
-        if not get_codec(codec).is_scaled:
-            codec = DEFAULT_LOW_PRECISION_CODEC
+    codec, method = resolve_comm_mode(mode, config.comm.codec)
     every = max(1, steps // 4)
     return apply_overrides(config, [
         ("comm.codec", codec), ("comm.method", method), ("train.num_steps", str(steps)),

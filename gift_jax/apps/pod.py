@@ -49,16 +49,21 @@ import ml_collections
 import gift_jax
 from gift_jax.comm.wire import array_bytes
 from gift_jax.models import count_params
-from gift_jax.training.config import complete_config, set_fields, validate_config
+from gift_jax.training.config import (
+    complete_config,
+    resolve_comm_mode,
+    set_fields,
+    validate_config,
+)
 from gift_jax.training.mesh import data_axes, mesh_from_config, model_axes
 from gift_jax.training.program import Program
 
-#: The communication modes compiled by default: ``label → (comm.codec, comm.method)``.
+#: The communication modes compiled by default: ``label → (comm.codec, comm.method)``, from
+#: :data:`gift_jax.training.config.COMM_MODES` with fp8_e4m3 as the low-precision codec.
 MODES: dict[str, tuple[str, str]] = {
-    "fp32": ("fp32", "none"),
-    "fp8": ("fp8_e4m3", "none"),
-    "gift_fp8": ("fp8_e4m3", "gift"),
-    "plumage_fp8": ("fp8_e4m3", "plumage"),
+    label: resolve_comm_mode(mode, "fp8_e4m3")
+    for label, mode in (("fp32", "fp32"), ("fp8", "fp8"), ("gift_fp8", "gift_fp8"),
+                        ("plumage_fp8", "plumage"))
 }
 
 

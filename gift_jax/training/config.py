@@ -43,15 +43,37 @@ from gift_jax.whitening.factors import EIG_METHODS
 CODECS = CODEC_NAMES
 #: ``comm.method`` values (what is done around the all-reduce: :mod:`gift_jax.training.method`).
 METHODS = ("none", "gift", "plumage")
-#: The former ``comm.mode`` values → ``(comm.codec, comm.method)``; ``None`` keeps the
-#: config's ``comm.codec`` (which those modes required to be a low-precision codec).
-LEGACY_COMM_MODES: dict[str, tuple[str | None, str]] = {
+#: The one table of named communication modes → ``(comm.codec, comm.method)``; codec ``None``:
+#: a low-precision codec, the config's own (:func:`resolve_comm_mode`). These are the former
+#: ``comm.mode`` values, the demo's modes and (``plumage`` labelled ``plumage_fp8``) the pod
+#: compile's.
+COMM_MODES: dict[str, tuple[str | None, str]] = {
     "fp32": ("fp32", "none"),
     "bf16": ("bf16", "none"),
     "fp8": (None, "none"),
     "gift_fp8": (None, "gift"),
     "plumage": (None, "plumage"),
 }
+#: The former ``comm.mode`` values (all of :data:`COMM_MODES`).
+LEGACY_COMM_MODES = COMM_MODES
+#: The codec a mode with codec ``None`` takes when the config's own codec is fp32 or bf16.
+DEFAULT_LOW_PRECISION_CODEC = "fp8_e4m3"
+
+
+def resolve_comm_mode(mode: str, codec: str) -> tuple[str, str]:
+    """``(comm.codec, comm.method)`` of named mode ``mode`` (:data:`COMM_MODES`) for a config
+    whose ``comm.codec`` is ``codec``: a mode without a codec of its own keeps ``codec`` when
+    it is a low-precision one, else takes :data:`DEFAULT_LOW_PRECISION_CODEC`.
+
+    Raises:
+      ValueError: ``mode`` is not one of :data:`COMM_MODES`.
+    """
+    if mode not in COMM_MODES:
+        raise ValueError(f"communication mode {mode!r} is not one of {', '.join(COMM_MODES)}")
+    own, method = COMM_MODES[mode]
+    if own is None:
+        own = codec if get_codec(codec).is_scaled else DEFAULT_LOW_PRECISION_CODEC
+    return own, method
 #: ``optimizer.name`` values (:mod:`gift_jax.training.optimizers`).
 OPTIMIZERS = OPTIMIZER_NAMES
 SCHEDULES = ("cosine", "linear", "constant")
