@@ -22,6 +22,7 @@ import ast
 import json
 import os
 import pathlib
+import sys
 import time
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -43,7 +44,7 @@ def _field_value(text: str) -> tuple[str, object]:
         return field, value
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/frontier")
     ap.add_argument("--slices", default="primary,harsh,muon,plumage",
@@ -90,6 +91,14 @@ def main() -> None:
     t0 = time.perf_counter()
     if a.report_only:
         records = F.load_records(a.out, s)
+        if not records:  # never overwrite a report with an empty one
+            other = F.load_records(a.out)
+            hint = (f"; its {len(other)} records were run with other settings, e.g. "
+                    f"{other[0]['settings']} on {other[0]['devices']} devices: pass the same "
+                    "--config, --steps, --set and --cpu_devices" if other else "")
+            print(f"error: no records under {a.out}/records were run with {s}{hint}",
+                  file=sys.stderr)
+            return 2
     else:
         records = F.run_grid(cells, seeds, s, a.out, configs_dir=CONFIGS)
     rows = F.summarize(records)
@@ -107,7 +116,8 @@ def main() -> None:
     for path in filter(None, (os.path.join(a.out, "frontier.png"), a.plot)):
         F.plot_frontier(rows, path, title=title)
     print("wrote", a.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

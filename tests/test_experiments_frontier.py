@@ -133,3 +133,11 @@ def test_frontier_at_16_replicas_smoke(tmp_path):
                                                                    records))}
     assert {d for _, d in runs} == {16} and len(runs) == 3
     assert (tmp_path / "frontier.png").stat().st_size > 0
+    # a report with other settings finds no records: one error line, the report kept
+    table = (tmp_path / "table.md").read_text()
+    bad = subprocess.run(
+        [sys.executable, str(root / "scripts" / "frontier.py"), "--out", str(tmp_path),
+         "--cpu_devices", "16", "--steps", "2", "--report_only"],
+        cwd=root, env=env, timeout=300, capture_output=True, text=True)
+    assert bad.returncode == 2 and "pass the same --config, --steps, --set" in bad.stderr
+    assert (tmp_path / "table.md").read_text() == table
