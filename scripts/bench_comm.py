@@ -9,7 +9,7 @@ import argparse
 import json
 import pathlib
 
-from gift_jax.utils.cpu_devices import simulate_cpu_devices  # noqa: E402
+from gift_jax.utils.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # a data-parallel mesh on a CPU host (an XLA_FLAGS count wins)
 

@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 
-from gift_jax.utils.cpu_devices import simulate_cpu_devices  # noqa: E402
+from gift_jax.utils.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)  # a data-parallel mesh on a CPU host (an XLA_FLAGS count wins)
 

@@ -81,9 +81,6 @@ _E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 _E2M1_MAX = float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max)  # 6
 _MX_EMAX_ELEM = 8  # floor(log2(448))
 
-#: How a format scales its values (:attr:`Format.scaling`).
-SCALINGS = ("none", "amax", "mx", "nvfp4")
-
 
 @dataclasses.dataclass(frozen=True)
 class Format:

@@ -58,22 +58,6 @@ COMM_MODES: dict[str, tuple[str | None, str]] = {
 LEGACY_COMM_MODES = COMM_MODES
 #: The codec a mode with codec ``None`` takes when the config's own codec is fp32 or bf16.
 DEFAULT_LOW_PRECISION_CODEC = "fp8_e4m3"
-
-
-def resolve_comm_mode(mode: str, codec: str) -> tuple[str, str]:
-    """``(comm.codec, comm.method)`` of named mode ``mode`` (:data:`COMM_MODES`) for a config
-    whose ``comm.codec`` is ``codec``: a mode without a codec of its own keeps ``codec`` when
-    it is a low-precision one, else takes :data:`DEFAULT_LOW_PRECISION_CODEC`.
-
-    Raises:
-      ValueError: ``mode`` is not one of :data:`COMM_MODES`.
-    """
-    if mode not in COMM_MODES:
-        raise ValueError(f"communication mode {mode!r} is not one of {', '.join(COMM_MODES)}")
-    own, method = COMM_MODES[mode]
-    if own is None:
-        own = codec if get_codec(codec).is_scaled else DEFAULT_LOW_PRECISION_CODEC
-    return own, method
 #: ``optimizer.name`` values (:mod:`gift_jax.training.optimizers`).
 OPTIMIZERS = OPTIMIZER_NAMES
 SCHEDULES = ("cosine", "linear", "constant")
@@ -151,6 +135,22 @@ def translate_legacy_mode(mode: Any, codec: Any) -> tuple[Any, str]:
             f"({', '.join(CODECS)}) and comm.method ({', '.join(METHODS)})")
     new_codec, method = LEGACY_COMM_MODES[mode]
     return (codec if new_codec is None else new_codec), method
+
+
+def resolve_comm_mode(mode: str, codec: str) -> tuple[str, str]:
+    """``(comm.codec, comm.method)`` of named mode ``mode`` (:data:`COMM_MODES`) for a config
+    whose ``comm.codec`` is ``codec``: a mode without a codec of its own keeps ``codec`` when
+    it is a low-precision one, else takes :data:`DEFAULT_LOW_PRECISION_CODEC`.
+
+    Raises:
+      ValueError: ``mode`` is not one of :data:`COMM_MODES`.
+    """
+    if mode not in COMM_MODES:
+        raise ValueError(f"communication mode {mode!r} is not one of {', '.join(COMM_MODES)}")
+    own, method = COMM_MODES[mode]
+    if own is None:
+        own = codec if get_codec(codec).is_scaled else DEFAULT_LOW_PRECISION_CODEC
+    return own, method
 
 
 def _legacy_mode_error(mode: str) -> ConfigError:
@@ -474,7 +474,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         if not get_optimizer(config.optimizer.name).plumage:
             raise ConfigError(
                 f"optimizer.name={config.optimizer.name!r} cannot be combined with "
-                "comm.method='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name='adamw'"
+                "comm.method='plumage' (PLUMAGE is a low-rank Adam); use optimizer.name="
+                + " or ".join(repr(n) for n in OPTIMIZER_NAMES if get_optimizer(n).plumage)
             )
         _validate_plumage_gift(config)
     if method == "gift":

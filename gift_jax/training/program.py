@@ -27,7 +27,6 @@ from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout, activation_ax
 from gift_jax.training.step import (
     TrainStep,
     eval_step_fn,
-    fidelity_available,
     fidelity_fn,
     model_def_of,
     opt_init_fn,
@@ -78,10 +77,8 @@ class Program:
         return eval_step_fn(self.model_def, self.mesh, self.layout)
 
     @functools.cached_property
-    def diagnose(self) -> Callable | None:
-        """Jitted fidelity diagnostic, or ``None`` without :mod:`gift_jax.whitening.fidelity`."""
-        if not fidelity_available():
-            return None
+    def diagnose(self) -> Callable:
+        """Jitted fidelity diagnostic (:func:`~gift_jax.training.step.fidelity_fn`)."""
         return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,
                            self._accum, self.layout)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -233,11 +232,6 @@ def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = N
         return jax.lax.pmean(loss_fn(model_def.merge(params), tokens), axes)
 
     return jax.jit(replica_map(body, mesh, (P(), P(axes)), P()))
-
-
-def fidelity_available() -> bool:
-    """Whether :mod:`gift_jax.whitening.fidelity` (round-trip metrics) is installed."""
-    return importlib.util.find_spec("gift_jax.whitening.fidelity") is not None
 
 
 def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any,
