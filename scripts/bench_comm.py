@@ -17,15 +17,15 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402, F401  (configs use it)
 
 from gift_jax.apps.bench import quantize_throughput, wire_table  # noqa: E402
-from gift_jax.models import LlamaConfig, count_params, param_shapes  # noqa: E402
+from gift_jax.models import count_params, model_config_of, param_shapes  # noqa: E402
 from gift_jax.training.config import load_config  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 
-def model_config(name: str) -> LlamaConfig:
+def model_config(name: str):
     cfg = load_config(name, CONFIGS)
-    return LlamaConfig.from_mapping(cfg.model)
+    return model_config_of(cfg.model)
 
 
 def main(argv=None):

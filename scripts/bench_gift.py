@@ -21,7 +21,7 @@ import jax  # noqa: E402
 
 from gift_jax.apps.experiments import profile as pf  # noqa: E402
 from gift_jax.apps.experiments import roundtrip as rt  # noqa: E402
-from gift_jax.models import LlamaConfig, count_params, param_shapes  # noqa: E402
+from gift_jax.models import count_params, model_config_of, param_shapes  # noqa: E402
 from gift_jax.training.config import load_config  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -43,7 +43,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join(["scripts/bench_gift.py", *(argv or sys.argv[1:])])
 
-    tiny = LlamaConfig.from_mapping(load_config("tiny", CONFIGS).model)
+    tiny = model_config_of(load_config("tiny", CONFIGS).model)
     shapes = {p: tuple(s.shape) for p, s in param_shapes(tiny, flat=True).items()}
     rows = []
     r = pf.bench_gift_step(shapes, ["*/mlp/down_proj"], rank=args.rank, codec=args.codec,
@@ -60,7 +60,7 @@ def main(argv=None):
         rows.append({"case": f"600M down_proj 3456x1280, rank {args.rank}, "
                              f"refresh {args.large_eig}", **r})
         print(rows[-1], flush=True)
-    big = LlamaConfig.from_mapping(load_config("gift_llama_600m", CONFIGS).model)
+    big = model_config_of(load_config("gift_llama_600m", CONFIGS).model)
     params = count_params(big)
     tokens = 512 * 2048 // 8
     fl = pf.gift_flops(big.d_ff, big.d_model, rank=args.rank, layers=13,

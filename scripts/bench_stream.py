@@ -35,8 +35,7 @@ from gift_jax.data.stream import default_workers
 from gift_jax.data.synthetic import write_corpus
 from gift_jax.data.throughput import stream_tokens_per_s, tokenize_tokens_per_s
 from gift_jax.data.tokenized import stream_dtype
-from gift_jax.models import count_params
-from gift_jax.models.llama import LlamaConfig
+from gift_jax.models import count_params, model_config_of
 from gift_jax.training.config import apply_overrides, complete_config, load_config
 from gift_jax.training.mesh import make_mesh
 
@@ -129,7 +128,7 @@ def main(argv=None):
 
     pod = complete_config(load_config(args.pod_config, CONFIGS))
     step_tokens = pod.train.global_batch_size * pod.train.seq_len
-    flops = 6 * count_params(LlamaConfig.from_mapping(pod.model)) * step_tokens
+    flops = 6 * count_params(model_config_of(pod.model)) * step_tokens
     step_s = flops / (args.pod_chips * args.peak_tflops * 1e12 * args.mfu)
     per_host = step_tokens / step_s / (args.pod_chips / 4)
     per_worker = max(r["tokens_per_s"] / max(r["workers"], 1) for r in result["rows"]

@@ -224,9 +224,10 @@ def test_off_keeps_the_state_structure():
 
 
 def test_config_route_frame_validated_and_resolved_to_the_optimizer():
+    from trainer_kit import small_config
+
     from gift_jax.training.config import ConfigError, validate_config
     from gift_jax.training.method import route_frame
-    from tests.test_training import small_config
 
     with pytest.raises(ConfigError, match=r"^gift\.route_frame='sgd' is not supported; allowed: "
                                           r"off, euclidean, whitened, adam, muon, optimizer$"):
@@ -245,6 +246,8 @@ def test_checkpoint_predating_route_frame_resumes_only_at_off():
     import json
     import runpy
 
+    from trainer_kit import ROOT
+
     from gift_jax.training.config import (
         TRAINER_DEFAULTS,
         apply_overrides,
@@ -252,7 +255,6 @@ def test_checkpoint_predating_route_frame_resumes_only_at_off():
         config_differences,
         to_json,
     )
-    from tests.test_training import ROOT
 
     assert TRAINER_DEFAULTS["gift"]["route_frame"] == "off"
     config = complete_config(runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]())
@@ -267,8 +269,9 @@ def test_checkpoint_predating_route_frame_resumes_only_at_off():
 
 @pytest.mark.slow
 def test_trainer_logs_the_routing_and_stays_replica_identical():
+    from trainer_kit import assert_replicas_identical, run, small_config
+
     from gift_jax.whitening.stage import GiftState
-    from tests.test_training import assert_replicas_identical, run, small_config
 
     config = small_config("gift_fp8", **{"train.diagnostics_every": 2,
                                          "gift.route_frame": "optimizer",
@@ -395,8 +398,9 @@ def test_adaptive_bounds_and_bad_settings():
      r"^gift\.min_refresh_every=9 must be <= gift\.max_refresh_every=3$"),
 ])
 def test_adaptive_refresh_config_errors_name_the_setting(overrides, match):
+    from trainer_kit import small_config
+
     from gift_jax.training.config import ConfigError, validate_config
-    from tests.test_training import small_config
 
     with pytest.raises(ConfigError, match=match):
         validate_config(small_config("gift_fp8", **overrides), 8)
@@ -404,8 +408,9 @@ def test_adaptive_refresh_config_errors_name_the_setting(overrides, match):
 
 @pytest.mark.slow
 def test_trainer_adaptive_refresh_bounded_by_max_interval_and_measures_coverage():
+    from trainer_kit import run, small_config
+
     from gift_jax.whitening.stage import GiftState
-    from tests.test_training import run, small_config
 
     # a threshold no coverage drop reaches: refreshes come from max_refresh_every alone
     config = small_config("gift_fp8", **{"gift.refresh": "adaptive", "gift.min_refresh_every": 1,
@@ -452,7 +457,7 @@ def test_routed_refresh_step_of_tiny_shapes_runs():
     """The routed refresh step at the tiny Llama's shapes (d_model 128, d_ff 344, two
     down_proj layers): jaxlib 0.10's XLA:CPU crashed in a YNNPACK dot here until
     ``avoid_cpu_dot_crash`` (tests/conftest.py, the scripts) turned those fusions off."""
-    from tests.test_training import run, small_config
+    from trainer_kit import run, small_config
 
     config = small_config("gift_fp8", **{
         "model.d_model": 128, "model.d_ff": 344, "model.num_layers": 2, "model.num_heads": 4,

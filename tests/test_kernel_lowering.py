@@ -18,7 +18,7 @@ from gift_jax.comm import codecs as C
 from gift_jax.comm.kernels import backend as kb
 from gift_jax.comm.kernels import quantize as qk
 from gift_jax.comm.kernels import roofline as R
-from gift_jax.models import LlamaConfig, param_shapes
+from gift_jax.models import model_config_of, param_shapes
 
 CODECS = [(c.name, c.block_size if c.supports_block_scaling else None)
           for c in C.codec_variants(128)]
@@ -29,7 +29,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 def shapes_600m():
     cfg = runpy.run_path(str(CONFIGS / "gift_llama_600m.py"))["get_config"]()
     return [tuple(s.shape) for s in
-            jax.tree.leaves(param_shapes(LlamaConfig.from_mapping(cfg.model)))]
+            jax.tree.leaves(param_shapes(model_config_of(cfg.model)))]
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])

@@ -18,6 +18,7 @@ from gift_jax.models import (
     LlamaConfig,
     apply_rope,
     count_params,
+    model_config_of,
     next_token_loss,
     param_shapes,
     rope_angles,
@@ -216,7 +217,7 @@ def _load(path: pathlib.Path):
 
 @functools.cache
 def _flat_shapes(path: pathlib.Path) -> dict:
-    return param_shapes(LlamaConfig.from_mapping(_load(path).model), flat=True)
+    return param_shapes(model_config_of(_load(path).model), flat=True)
 
 
 def test_every_config_file_is_tested():
@@ -229,7 +230,7 @@ def test_every_config_file_is_tested():
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
 def test_config_loads_and_states_its_parameter_count(path):
     config = _load(path)
-    model_cfg = LlamaConfig.from_mapping(config.model)
+    model_cfg = model_config_of(config.model)
     total = count_params(model_cfg)
     stated = re.search(r"([\d,]{5,}) parameters", runpy.run_path(str(path))["__doc__"])
     assert stated is not None, f"{path.name}: docstring must state the parameter count"
@@ -247,7 +248,7 @@ def test_param_shapes_match_count_params(name):
     shapes = _flat_shapes(CONFIG_DIR / f"{name}.py")  # nnx.eval_shape: nothing is allocated
     assert all(isinstance(s, jax.ShapeDtypeStruct) for s in shapes.values())
     assert all(s.dtype == jnp.float32 for s in shapes.values())
-    model_cfg = LlamaConfig.from_mapping(_load(CONFIG_DIR / f"{name}.py").model)
+    model_cfg = model_config_of(_load(CONFIG_DIR / f"{name}.py").model)
     assert sum(s.size for s in shapes.values()) == count_params(model_cfg)
 
 

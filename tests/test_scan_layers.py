@@ -110,7 +110,7 @@ def test_stacked_logical_axes_and_bad_policy():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gift", "plumage"])
 def test_trainer_runs_gift_and_plumage_on_stacked_kernels(tmp_path, method):
-    from tests.test_training import run, small_config
+    from trainer_kit import run, small_config
 
     config = small_config("gift_fp8" if method == "gift" else "plumage",
                           **{"model.num_layers": 2, "model.scan_layers": True})
@@ -123,9 +123,10 @@ def test_trainer_quantizes_each_stacked_layer_on_its_own_scales():
     """With scan_layers the trainer's all-reduce splits every stacked kernel into its layers
     (one slot and one scale each); norms, embeddings and the head stay one tensor; unrolled
     blocks need no split."""
+    from trainer_kit import small_config
+
     from gift_jax.comm.stage import allreduce_spec
     from gift_jax.training.optim import allreduce_stage
-    from tests.test_training import small_config
 
     for scan in (True, False):
         config = small_config("fp8", **{"model.num_layers": 3, "model.scan_layers": scan})
@@ -146,15 +147,15 @@ def test_flash_attention_kernel_matches_reference():
     fp32 rounding; on a CPU target 'flash' is the reference itself."""
     from jax.experimental.pallas import tpu as pltpu
 
-    from gift_jax.models import llama as L
+    from gift_jax.models import common as L
 
     cfg = LlamaConfig(d_model=128, num_heads=4, num_kv_heads=2)
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (2, 128, 4, 32))
     k, v = (jax.random.normal(key, (2, 128, 2, 32)) for key in ks[1:])
     loss = lambda attn: lambda *a: jnp.sum(attn(*a) ** 2)
-    ref_out = L._causal_attention_reference(q, k, v)
-    ref_grads = jax.grad(loss(L._causal_attention_reference), argnums=(0, 1, 2))(q, k, v)
+    ref_out = L.causal_attention_reference(q, k, v)
+    ref_grads = jax.grad(loss(L.causal_attention_reference), argnums=(0, 1, 2))(q, k, v)
     flash = lambda *a: L._tpu_flash_attention(*a, cfg)
     with pltpu.force_tpu_interpret_mode():
         out = flash(q, k, v)

@@ -612,6 +612,14 @@ def roundtrip(x: jax.Array, codec: str | Codec, block_size: int | None = None) -
     """Local quantize→dequantize of any float array (per-tensor = one scale for all of ``x``).
 
     The reference semantics of one replica's contribution, handy for measurements.
+
+    Args:
+      x: a float array.
+      codec: a codec name or :class:`Codec`.
+      block_size: elements per scale, or ``None`` for one scale.
+
+    Returns:
+      ``x`` after quantize→dequantize, in ``x``'s dtype.
     """
     codec = get_codec(codec, block_size)
     if codec.is_exact:

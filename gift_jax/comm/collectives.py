@@ -603,6 +603,17 @@ def quantized_psum(tree, axis_name: AxisName | None, *, codec: str | Codec = "fp
     ``settings`` are those of :class:`AllReduceSpec` (``block_size``, ``policy``,
     ``bucket_elems``, ``global_scale``, ``accumulate``, ``backend``, ``intra_axis``,
     ``intra_codec``, ``stack_axes``). ``key`` switches on stochastic rounding.
+
+    Args:
+      tree: an array or pytree of float arrays (per-device values inside ``shard_map``).
+      axis_name: the mesh axis (or axes) to reduce over; ``None``: one device.
+      codec: the wire format.
+      mean: divide by the number of replicas.
+      key: a PRNG key for stochastic rounding, or ``None``.
+      **settings: further :class:`AllReduceSpec` settings.
+
+    Returns:
+      The reduced tree, each leaf in its own dtype, bit-identical on every replica.
     """
     spec = AllReduceSpec(axis_name, codec, mean=mean, **settings)
     return all_reduce_tree(tree, spec, key=key)[0]
@@ -624,6 +635,17 @@ def quantized_reduce_scatter(x: jax.Array, axis_name: AxisName, *,
     ``x`` is flattened and zero-padded to ``P·rows_per_shard·row_size`` elements; replica ``i``
     receives elements ``[i·L, (i+1)·L)`` of the padded sum, ``L = len(result)``. The whole
     array shares one per-tensor scale per sender.
+
+    Args:
+      x: this replica's array (any shape).
+      axis_name: the mesh axis (or axes) to reduce over.
+      codec: the wire format.
+      block_size: elements per scale, or ``None`` for one scale per sender.
+      backend: ``"auto"``, ``"pallas"`` or ``"jnp"``.
+      key: a PRNG key for stochastic rounding, or ``None``.
+
+    Returns:
+      This replica's fp32 shard of the sum.
     """
     codec = get_codec(codec, block_size)
     P = axis_size(axis_name)
@@ -644,6 +666,17 @@ def quantized_all_gather(shard: jax.Array, axis_name: AxisName, *,
 
     Each owner scales its shard (per tensor or per block); every replica decodes the same
     bytes, so the result is bit-identical everywhere.
+
+    Args:
+      shard: this replica's shard.
+      axis_name: the mesh axis (or axes) to gather over.
+      codec: the wire format.
+      block_size: elements per scale, or ``None`` for one scale per shard.
+      backend: ``"auto"``, ``"pallas"`` or ``"jnp"`` (the quantize kernels).
+      key: a PRNG key for stochastic rounding, or ``None``.
+
+    Returns:
+      The gathered fp32 vector of ``P·shard.size`` elements.
     """
     codec = get_codec(codec, block_size)
     P = axis_size(axis_name)
@@ -659,5 +692,14 @@ def quantized_all_gather(shard: jax.Array, axis_name: AxisName, *,
 
 
 def local_roundtrip(tree, codec: str | Codec = "fp8_e4m3", block_size=None):
-    """Per-leaf local quantize→dequantize (what one replica's contribution looks like)."""
+    """Per-leaf local quantize→dequantize (what one replica's contribution looks like).
+
+    Args:
+      tree: an array or pytree of float arrays.
+      codec: a codec name or :class:`~gift_jax.comm.codecs.Codec`.
+      block_size: elements per scale, or ``None`` for one scale per leaf.
+
+    Returns:
+      The tree after quantize→dequantize, each leaf in its own dtype.
+    """
     return jax.tree_util.tree_map(lambda x: roundtrip(x, codec, block_size).astype(x.dtype), tree)

@@ -222,6 +222,13 @@ def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) ->
     apply ``P₂D₂e`` instead of ``P₁D₁e``), or a one-off diagnostic reduction that must not see
     the training run's buffers.  ``changed``: ``None`` (always) or a replicated bool (a change
     decided under ``lax.cond``; the buffers are kept where it is False).
+
+    Args:
+      state: an optimizer state.
+      changed: ``None`` or a replicated bool scalar.
+
+    Returns:
+      ``state`` with zero residuals (where ``changed``).
     """
 
     def fix(node):
@@ -249,6 +256,16 @@ def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree
     ``change``; the shard owners' residual rows of moved leaves are zeroed, located through the
     bucket plan when ``stage`` is a bare, non-hierarchical :func:`allreduce` (every shard row
     is zeroed otherwise).
+
+    Args:
+      state: an optimizer state holding :class:`AllReduceState` s.
+      stage: the wrapped all-reduce stage as built.
+      tree: a tree like the stage's input (its structure and shapes).
+      change: ``tree → tree``, the old frame to the new one.
+      moved: a tree of bools like ``tree``.
+
+    Returns:
+      ``state`` with its residuals in the new frame.
     """
     spec = allreduce_spec(stage)
     if spec is not None and (spec.intra_axis is not None or allreduce_shards(stage)):
@@ -273,6 +290,12 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
     is an :class:`AllReduceTransformation` that declares its static spec, and this accessor is
     the one place that reads it (what such a stage does with its error-feedback buffers goes
     through :func:`reframe_error_feedback`).
+
+    Args:
+      stage: any optax transformation.
+
+    Returns:
+      The stage's :class:`~gift_jax.comm.collectives.AllReduceSpec`, or ``None``.
     """
     return stage.spec if isinstance(stage, AllReduceTransformation) else None
 
@@ -328,14 +351,29 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
 
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:
     """The axis (or tuple of axes, hierarchical included) an :func:`allreduce` stage reduces
-    over, or ``None`` for any other transformation."""
+    over, or ``None`` for any other transformation.
+
+    Args:
+      stage: any optax transformation.
+
+    Returns:
+      The axis name or tuple of axis names, or ``None``.
+    """
     spec = allreduce_spec(stage)
     return None if spec is None else spec.reduced_axes
 
 
 def matrices_only(codec: str = "fp8_e4m3", other: str = "fp32"):
     """A codec policy: leaves with 2+ dimensions in ``codec``, vectors and scalars (norm gains,
-    biases) in ``other``."""
+    biases) in ``other``.
+
+    Args:
+      codec: the codec of leaves with 2 or more dimensions.
+      other: the codec of vectors and scalars.
+
+    Returns:
+      The policy ``(path, leaf) → codec name`` for :func:`allreduce`'s ``policy``.
+    """
 
     def policy(path, leaf):
         del path
@@ -352,6 +390,14 @@ def partition_specs(opt_state, axis_name: AxisName, shards: LocalShards | None =
     everything else is replicated, ``P()``. With ``shards`` (the stage reduces sharded leaves,
     see :class:`LocalShards`) the buffers' specs over the whole mesh (for ``jax.jit``'s
     shardings) are returned: the data axes first, then ``shards``' layout.
+
+    Args:
+      opt_state: the optimizer state (or its abstract shapes).
+      axis_name: the data axis of the per-device buffers.
+      shards: the :class:`LocalShards` of a sharded reduction, or ``None``.
+
+    Returns:
+      A tree of ``PartitionSpec`` like ``opt_state``.
     """
     lead = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
@@ -379,6 +425,15 @@ def init_on_mesh(tx: optax.GradientTransformation, params, mesh, axis_name: Axis
     buffers (error feedback) are created per device and sharded over ``axis_name``.
 
     ``params`` are replicated (``P()``). Returns the state, placed on the mesh.
+
+    Args:
+      tx: the optimizer chain (containing :func:`allreduce` stages).
+      params: the replicated parameters.
+      mesh: the device mesh.
+      axis_name: the data axis the per-device buffers are split over.
+
+    Returns:
+      The optimizer state, placed on ``mesh``.
     """
     def run(p):
         return jax.shard_map(tx.init, mesh=mesh, in_specs=PartitionSpec(), out_specs=out_specs,

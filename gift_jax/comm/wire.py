@@ -164,7 +164,17 @@ def _axes_of(group: tuple[int, ...], mesh) -> tuple[str, ...]:
 def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireReport:
     """:class:`WireReport` of an HLO module's text (``compiled.as_text()``); with the
     ``mesh`` the function was compiled for, every collective also names the mesh axes its
-    groups span (:meth:`WireReport.over`)."""
+    groups span (:meth:`WireReport.over`).
+
+    Args:
+      hlo_text: the text of an HLO module.
+      num_devices: the number of devices the module runs on (replica groups without explicit
+        members span them), or ``None`` to infer it.
+      mesh: the mesh the function was compiled for, or ``None``.
+
+    Returns:
+      The :class:`WireReport`.
+    """
     if mesh is not None:
         num_devices = mesh.devices.size
     if num_devices is None:
@@ -207,6 +217,13 @@ def wire_bytes(fn_or_compiled, *args, **kwargs) -> WireReport:
 
     Accepts a ``jax.jit``-wrapped function with example arguments (it is lowered and compiled,
     not run), a ``jax.stages.Compiled``, a ``jax.stages.Lowered``, or HLO text.
+
+    Args:
+      fn_or_compiled: a jitted function, a ``Compiled``, a ``Lowered`` or HLO text.
+      *args, **kwargs: example arguments of a jitted function (shapes only matter).
+
+    Returns:
+      The :class:`WireReport`.
     """
     import jax
 

@@ -161,6 +161,14 @@ def lowrank_estimate(g: jax.Array, proj: jax.Array, probs: jax.Array) -> jax.Arr
     """The low-rank estimate ``Ĝ = P D⁻¹ Pᵀ G`` with ``D = diag(probs)``.
 
     Zero probabilities (never sampled in exact arithmetic) contribute nothing.
+
+    Args:
+      g: the gradient ``G``, shape ``(n, m)``.
+      proj: the sampled orthonormal directions ``P``, shape ``(n, k)``.
+      probs: their inclusion probabilities, shape ``(k,)``.
+
+    Returns:
+      ``Ĝ`` of ``g``'s shape.
     """
     inv = jnp.where(probs > 0, 1.0 / jnp.where(probs > 0, probs, 1.0), 0.0)
     return proj @ (inv[:, None] * (proj.T @ g))
@@ -171,6 +179,13 @@ def expected_squared_error(sigma: jax.Array, p: jax.Array) -> jax.Array:
 
     Directions with ``σ_i = 0`` contribute 0 whatever ``p_i``; ``σ_i > 0`` with ``p_i = 0``
     gives ``inf`` (the estimator would be biased there).
+
+    Args:
+      sigma: singular values ``σ`` of ``G``, shape ``(..., n)``.
+      p: inclusion probabilities ``p_i`` of the same shape.
+
+    Returns:
+      ``E‖Ĝ − G‖²_F`` over the last axis, fp32.
     """
     sigma = jnp.asarray(sigma, jnp.float32)
     terms = jnp.where(

@@ -763,6 +763,12 @@ def find_plumage_state(opt_state: Any) -> PlumageState:
     Raises:
       ValueError: there is none, or more than one (a chain with two PLUMAGE stages must pick
         its state itself).
+
+    Args:
+      opt_state: an optimizer state that holds one :class:`PlumageState` anywhere.
+
+    Returns:
+      That state.
     """
     try:
         state = optax.tree.get(opt_state, PlumageState.__name__)
@@ -779,6 +785,12 @@ def refresh_due(opt_state: Any) -> jax.Array:
     True before the first refresh and once ``count − last_refresh ≥ refresh_interval`` (the
     interval the :class:`AdaptiveRefresh` rule maintains, if any). Returns a bool array; call
     ``bool(...)`` on the host.
+
+    Args:
+      opt_state: an optimizer state holding one :class:`PlumageState`.
+
+    Returns:
+      A scalar bool array.
     """
     return _is_due(find_plumage_state(opt_state))
 

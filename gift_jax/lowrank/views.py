@@ -187,6 +187,12 @@ def mask_excluding(*patterns: str) -> Callable[[Any], Any]:
 
     Patterns were case-insensitive substrings before: ``"embed"`` now selects only a leaf or
     module whose whole path is ``embed``; write ``"embed/*"`` (or ``"*embed*"``).
+
+    Args:
+      *patterns: path patterns of the leaves to keep dense.
+
+    Returns:
+      ``params → tree of bools`` (True: project the leaf).
     """
     patterns = tuple(patterns)
 

@@ -45,17 +45,29 @@ whatever ``dtype`` is; the residual stream is carried in ``dtype``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from gift_jax.utils.platform import non_manual_axes, target_device
+from gift_jax.models.common import (
+    DTYPES,
+    LOGICAL_AXES,
+    REMAT_POLICIES,
+    ModelSpec,
+    apply_blocks,
+    causal_attention,
+    check_decoder_fields,
+    config_from_mapping,
+    constrain,
+    dense,
+    embed_tokens,
+    next_token_loss,
+    stacked_blocks,
+)
 
 __all__ = [
     "Attention",
@@ -64,6 +76,7 @@ __all__ = [
     "LlamaConfig",
     "MLP",
     "RMSNorm",
+    "SPEC",
     "apply_rope",
     "LOGICAL_AXES",
     "REMAT_POLICIES",
@@ -73,31 +86,6 @@ __all__ = [
     "param_shapes",
     "rope_angles",
 ]
-
-#: Metadata key of every parameter's logical axis names (one per dimension): ``vocab``,
-#: ``embed`` (d_model), ``heads`` (query heads × head_dim), ``kv_heads`` (key/value heads ×
-#: head_dim), ``mlp`` (d_ff), ``norm`` (a norm gain). A rule table maps them to mesh axes
-#: (:mod:`gift_jax.training.sharding`); a custom key, not Flax's ``sharding`` metadata, so that
-#: building the model needs no mesh in context.
-LOGICAL_AXES = "logical_axes"
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_ATTENTION_IMPLS = ("reference", "jax", "flash")
-_EMBED_LOOKUPS = ("gather", "one_hot")
-#: ``remat_policy`` values: the policies (not policy factories) of ``jax.checkpoint_policies``.
-REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "everything_saveable")
-
-
-def _dtype_name(value: Any, field: str) -> str:
-    """Normalises a dtype given as a name or a dtype object to one of ``_DTYPES``' names."""
-    try:
-        name = jnp.dtype(value).name
-    except TypeError:
-        name = None
-    if name not in _DTYPES:
-        raise ValueError(f"LlamaConfig.{field} must be one of {sorted(_DTYPES)}, got {value!r}.")
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +111,7 @@ class LlamaConfig:
         (``jax.nn.dot_product_attention``: cuDNN flash attention on GPU in bf16/fp16, XLA
         elsewhere) or 'flash' (chosen by the lowering target: jax's Pallas TPU flash
         attention kernel on TPU, cuDNN on GPU, the reference elsewhere; see
-        :func:`causal_attention_flash`).
+        :func:`~gift_jax.models.common.causal_attention_flash`).
       remat: recompute each block's activations in the backward pass (``nnx.remat``).
       remat_policy: which values a rematerialised block keeps, a name of
         ``jax.checkpoint_policies`` (see the module docstring).
@@ -162,16 +150,11 @@ class LlamaConfig:
     activation_axes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"LlamaConfig.{field} must be a positive int, got {value!r}.")
-            object.__setattr__(self, field, int(value))
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"LlamaConfig.num_heads must divide d_model={self.d_model}, got "
-                f"num_heads={self.num_heads}."
-            )
+        check_decoder_fields(
+            self, positive_ints=("vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
+                                 "max_seq_len"),
+            positive_reals=("rope_theta", "norm_eps", "init_std"),
+            bools=("tie_embeddings", "remat", "scan_layers"))
         if self.head_dim % 2:
             raise ValueError(
                 f"LlamaConfig: head_dim = d_model / num_heads must be even for rotary "
@@ -191,33 +174,6 @@ class LlamaConfig:
             )
         if kv is not None:
             object.__setattr__(self, "num_kv_heads", int(kv))
-        for field in ("rope_theta", "norm_eps", "init_std"):
-            value = getattr(self, field)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{field} must be a positive number, got {value!r}.")
-            object.__setattr__(self, field, float(value))
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"LlamaConfig.remat_policy must be one of {REMAT_POLICIES}, got "
-                             f"{self.remat_policy!r}.")
-        for field in ("tie_embeddings", "remat", "scan_layers"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(
-                    f"LlamaConfig.{field} must be a bool, got {getattr(self, field)!r}."
-                )
-        object.__setattr__(self, "activation_axes",
-                           tuple((str(k), str(v)) for k, v in self.activation_axes))
-        if self.embed_lookup not in _EMBED_LOOKUPS:
-            raise ValueError(
-                f"LlamaConfig.embed_lookup must be one of {_EMBED_LOOKUPS}, got "
-                f"{self.embed_lookup!r}."
-            )
-        if self.attention_impl not in _ATTENTION_IMPLS:
-            raise ValueError(
-                f"LlamaConfig.attention_impl must be one of {_ATTENTION_IMPLS}, got "
-                f"{self.attention_impl!r}."
-            )
-        object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
-        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> LlamaConfig:
@@ -225,11 +181,7 @@ class LlamaConfig:
 
         Unknown keys raise ``ValueError`` so that a typo in a config file is not ignored.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(mapping) - names)
-        if unknown:
-            raise ValueError(f"Unknown LlamaConfig fields {unknown}; allowed: {sorted(names)}.")
-        return cls(**dict(mapping))
+        return config_from_mapping(cls, mapping)
 
     @property
     def head_dim(self) -> int:
@@ -242,11 +194,11 @@ class LlamaConfig:
 
     @property
     def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(_DTYPES[self.dtype])
+        return jnp.dtype(DTYPES[self.dtype])
 
     @property
     def storage_dtype(self) -> jnp.dtype:
-        return jnp.dtype(_DTYPES[self.param_dtype])
+        return jnp.dtype(DTYPES[self.param_dtype])
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -288,82 +240,6 @@ def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """``softmax(q kᵀ / √d + causal mask) v`` with grouped key/value heads, fp32 softmax.
-
-    Shapes: q ``(B, T, H, D)``; k, v ``(B, T, K, D)`` with ``K | H``; query head ``h`` reads
-    key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in q's dtype.
-    """
-    b, t, h, d = q.shape
-    groups = h // k.shape[2]
-    qg = q.reshape(b, t, k.shape[2], groups, d)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-    logits = logits / math.sqrt(d)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
-def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                         cfg: LlamaConfig) -> jax.Array:
-    """jax's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``, causal, fp32
-    online softmax) on ``(B, T, H, D)`` arrays; grouped key/value heads are repeated to the
-    query heads. A Mosaic kernel cannot be partitioned by GSPMD, so where mesh axes are not
-    manual (the sharded trainer's ``fsdp``/``tensor``) it runs in a ``shard_map`` over them,
-    rows split as ``activation_axes['batch']`` and heads as ``activation_axes['heads']``."""
-    from jax.experimental.pallas.ops.tpu import flash_attention as fa
-
-    _, t, h, d = q.shape
-    groups = h // k.shape[2]
-    if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    blk = min(128, t)
-    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
-                          block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk,
-                          block_q_dkv=blk, block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)
-    kernel = lambda q_, k_, v_: fa.flash_attention(q_, k_, v_, causal=True,
-                                                   sm_scale=1.0 / math.sqrt(d),
-                                                   block_sizes=sizes)
-    axes = non_manual_axes(min_size=1)
-    if axes:
-        rules = dict(cfg.activation_axes)
-        split = lambda name: rules.get(name) if rules.get(name) in axes else None
-        spec = jax.sharding.PartitionSpec(split("batch"), split("heads"), None, None)
-        kernel = jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(),
-                               in_specs=(spec,) * 3, out_specs=spec, axis_names=set(axes),
-                               check_vma=False)
-    to_bhtd = lambda x: x.transpose(0, 2, 1, 3)
-    return to_bhtd(kernel(to_bhtd(q), to_bhtd(k), to_bhtd(v)))
-
-
-def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array,
-                           cfg: LlamaConfig) -> jax.Array:
-    """Flash attention where it lowers, chosen by the lowering target
-    (:func:`gift_jax.utils.platform.target_device`, not this host): the Pallas TPU kernel on
-    TPU, ``jax.nn.dot_product_attention`` with cuDNN on GPU (bf16/fp16; XLA for fp32), the
-    reference elsewhere. Shapes as :func:`_causal_attention_reference`."""
-    platform, _ = target_device()
-    if platform == "tpu":
-        return _tpu_flash_attention(q, k, v, cfg)
-    if platform == "gpu":
-        cudnn = q.dtype in (jnp.bfloat16, jnp.float16)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation="cudnn" if cudnn else None)
-    return _causal_attention_reference(q, k, v)
-
-
-def constrain(x: jax.Array, cfg: LlamaConfig, *names: str | None) -> jax.Array:
-    """``x`` with its sharding constrained per ``cfg.activation_axes`` (one logical name or
-    ``None`` per dimension); the identity when the config sets none."""
-    if not cfg.activation_axes:
-        return x
-    rules = dict(cfg.activation_axes)
-    spec = jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
 # ----------------------------------------------------------------------------- modules
 
 
@@ -385,20 +261,6 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def _linear(cfg: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs,
-            axes: tuple[str, str]) -> nnx.Linear:
-    return nnx.Linear(
-        d_in,
-        d_out,
-        use_bias=False,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
-        kernel_init=nnx.initializers.normal(cfg.init_std),
-        rngs=rngs,
-        kernel_metadata={LOGICAL_AXES: axes},
-    )
-
-
 class Attention(nnx.Module):
     """Causal self-attention with rotary embeddings and grouped key/value heads.
 
@@ -412,12 +274,11 @@ class Attention(nnx.Module):
         self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        self.impl = cfg.attention_impl
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.q_proj = _linear(cfg, cfg.d_model, q_dim, rngs, ("embed", "heads"))
-        self.k_proj = _linear(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
-        self.v_proj = _linear(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
-        self.o_proj = _linear(cfg, q_dim, cfg.d_model, rngs, ("heads", "embed"))
+        self.q_proj = dense(cfg, cfg.d_model, q_dim, rngs, ("embed", "heads"))
+        self.k_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
+        self.v_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
+        self.o_proj = dense(cfg, q_dim, cfg.d_model, rngs, ("heads", "embed"))
 
     def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
         b, t, _ = x.shape
@@ -428,12 +289,7 @@ class Attention(nnx.Module):
         k = constrain(k, self.cfg, "batch", None, "kv_heads", None)
         v = constrain(v, self.cfg, "batch", None, "kv_heads", None)
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        if self.impl == "jax":
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        elif self.impl == "flash":
-            o = causal_attention_flash(q, k, v, self.cfg)
-        else:
-            o = _causal_attention_reference(q, k, v)
+        o = causal_attention(q, k, v, self.cfg)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -442,9 +298,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.gate_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
-        self.up_proj = _linear(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
-        self.down_proj = _linear(cfg, cfg.d_ff, cfg.d_model, rngs, ("mlp", "embed"))
+        self.gate_proj = dense(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
+        self.up_proj = dense(cfg, cfg.d_model, cfg.d_ff, rngs, ("embed", "mlp"))
+        self.down_proj = dense(cfg, cfg.d_ff, cfg.d_model, rngs, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
@@ -465,39 +321,6 @@ class Block(nnx.Module):
         cfg = self.attn.cfg
         x = constrain(x + self.attn(self.attn_norm(x), angles), cfg, "batch", None, None)
         return constrain(x + self.mlp(self.mlp_norm(x)), cfg, "batch", None, None)
-
-
-def _block_forward(block: Block, x: jax.Array, angles: jax.Array) -> jax.Array:
-    return block(x, angles)
-
-
-def _forward_fn(cfg: LlamaConfig):
-    """``(block, x, angles) → x`` for one block, rematerialised per ``cfg.remat``."""
-    if not cfg.remat:
-        return _block_forward
-    return nnx.remat(_block_forward, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
-
-
-def _stacked_blocks(cfg: LlamaConfig, rngs: nnx.Rngs) -> Block:
-    """``cfg.num_layers`` blocks as one block with parameters stacked on axis 0."""
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
-
-    return make(rngs)
-
-
-def _scan_blocks(blocks: Block, x: jax.Array, angles: jax.Array, cfg: LlamaConfig) -> jax.Array:
-    """``x`` through the stacked blocks in order (``nnx.scan`` over the layer axis)."""
-    forward = _forward_fn(cfg)
-
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def body(block: Block, h: jax.Array) -> jax.Array:
-        return forward(block, h, angles)
-
-    return body(blocks, x)
 
 
 class Llama(nnx.Module):
@@ -521,10 +344,7 @@ class Llama(nnx.Module):
             rngs=rngs,
             embedding_metadata={LOGICAL_AXES: ("vocab", "embed")},
         )
-        if config.scan_layers:
-            self.layers = _stacked_blocks(config, rngs)
-        else:
-            self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = stacked_blocks(lambda r: Block(config, rngs=r), config, rngs)
         self.final_norm = RMSNorm(
             config.d_model,
             eps=config.norm_eps,
@@ -534,7 +354,7 @@ class Llama(nnx.Module):
         self.lm_head = (
             None
             if config.tie_embeddings
-            else _linear(config, config.d_model, config.vocab_size, rngs, ("embed", "vocab"))
+            else dense(config, config.d_model, config.vocab_size, rngs, ("embed", "vocab"))
         )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -556,56 +376,17 @@ class Llama(nnx.Module):
             positions = jnp.arange(tokens.shape[1])
         angles = rope_angles(positions, cfg.head_dim, cfg.rope_theta)
         if cfg.embed_lookup == "one_hot":
-            table = self.embed.embedding[...]
-            x = jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
-                           table, precision=jax.lax.Precision.HIGHEST).astype(cfg.compute_dtype)
+            x = embed_tokens(self.embed.embedding[...], tokens, cfg)
         else:
             x = self.embed(tokens)
         x = constrain(x, cfg, "batch", None, None)
-        if cfg.scan_layers:
-            x = _scan_blocks(self.layers, x, angles, cfg)
-        else:
-            forward = _forward_fn(cfg)
-            for block in self.layers:
-                x = forward(block, x, angles)
+        x = apply_blocks(self.layers, x, cfg, angles)
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return constrain(logits, cfg, "batch", None, "vocab")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def next_token_loss(model: Llama, tokens: jax.Array, mask: jax.Array | None = None,
-                    one_hot: bool = False) -> jax.Array:
-    """Mean next-token cross-entropy, ``−mean_t log softmax(logits_t)[tokens_{t+1}]``.
-
-    The model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; logits are upcast to
-    fp32 before the log-softmax.
-
-    Args:
-      model: a ``Llama``.
-      tokens: int ``(batch, seq + 1)``.
-      mask: optional ``(batch, seq)`` weights of the *targets* ``tokens[:, 1:]`` (e.g. 0 on
-        padding); the loss is then ``Σ mask·ce / Σ mask``.
-      one_hot: take the target's logit by a one-hot contraction instead of a gather (the same
-        loss up to the last bits): it partitions when the vocabulary dimension is split over a
-        mesh axis, where a gather along it crashes XLA's SPMD partitioner (jax 0.10–0.12) if
-        the rows are split too. The sharded train step uses it.
-
-    Returns:
-      A scalar fp32 loss.
-    """
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
-    if one_hot:
-        target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=jnp.float32)
-        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * target, axis=-1)
-    else:
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    if mask is None:
-        return jnp.mean(ce)
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def count_params(config: LlamaConfig) -> int:
@@ -622,34 +403,16 @@ def count_params(config: LlamaConfig) -> int:
 
 
 def param_shapes(config: LlamaConfig, *, flat: bool = False) -> dict:
-    """The parameters as ``jax.ShapeDtypeStruct`` leaves, without allocating any array.
-
-    Uses ``nnx.eval_shape``, so it is cheap for any model size.
-
-    Args:
-      config: the model config.
-      flat: if False (default), a nested dict ``{'layers': {3: {'mlp': {'down_proj':
-        {'kernel': …}}}}, …}`` (``nnx.to_pure_dict`` of the ``nnx.Param`` state, the structure
-        of ``nnx.state(model, nnx.Param)`` without the Variable wrappers); if True, a flat dict
-        keyed by ``'/'``-joined paths such as ``'layers/3/mlp/down_proj/kernel'``.
-    """
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    if not flat:
-        return tree
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
+    """The parameters as ``jax.ShapeDtypeStruct`` leaves, without allocating any array
+    (:meth:`ModelSpec.param_shapes`): a nested dict ``{'layers': {3: {'mlp': {'down_proj':
+    {'kernel': …}}}}, …}``, or with ``flat`` one keyed by ``'layers/3/mlp/down_proj/kernel'``."""
+    return SPEC.param_shapes(config, flat=flat)
 
 
 def logical_axes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
-    """``{path: logical axis names}`` of every parameter (``'/'``-joined paths as
-    :func:`param_shapes` with ``flat=True``), read from the modules' :data:`LOGICAL_AXES`
-    metadata without allocating any array."""
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    out = {}
-    for path, variable in nnx.iter_graph(abstract):
-        if isinstance(variable, nnx.Param):
-            names = tuple(variable.get_metadata()[LOGICAL_AXES])
-            stacked = len(variable.get_value().shape) - len(names)  # scan_layers: layer axis
-            out["/".join(str(k) for k in path)] = ("layers",) * stacked + names
-    return out
+    """``{path: logical axis names}`` of every parameter (:meth:`ModelSpec.logical_axes`)."""
+    return SPEC.logical_axes(config)
+
+
+#: The Llama family as the trainer sees it (``model.family = "llama"``).
+SPEC = ModelSpec("llama", LlamaConfig, Llama, count_params)

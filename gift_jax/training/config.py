@@ -32,7 +32,7 @@ import ml_collections
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.data.storage import is_remote
-from gift_jax.models import LlamaConfig
+from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
 from gift_jax.training.defaults import default_config
 from gift_jax.training.mesh import mesh_shape
 from gift_jax.training.optimizers import OPTIMIZER_NAMES, get_optimizer
@@ -205,10 +205,21 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
         for group, fields in TRAINER_DEFAULTS.items():
             if group not in config:
                 config[group] = ml_collections.ConfigDict()
+            if group == "model":
+                fields = _model_defaults(config.model)
             for name, value in fields.items():
                 if name not in config[group]:
                     config[group][name] = value
     return config
+
+
+def _model_defaults(model: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The defaults of the ``model`` group of ``model.family`` (the Llama's for a group
+    without one; nothing but the family for an unknown one, which validation reports)."""
+    family = model.get("family", DEFAULT_FAMILY)
+    if family == DEFAULT_FAMILY:
+        return TRAINER_DEFAULTS["model"]
+    return MODELS[family].defaults() if family in MODELS else {"family": family}
 
 
 # ---- command-line overrides -----------------------------------------------------------------
@@ -382,13 +393,18 @@ def _validate_optimizer(config) -> None:
 
 
 def _validate_model(config) -> None:
-    """``model.*`` as :class:`~gift_jax.models.LlamaConfig` checks them (``num_heads``
-    dividing ``d_model``, positive sizes, known dtypes), reported as the config's settings."""
+    """``model.family`` names a family of :data:`gift_jax.models.MODELS`, and ``model.*`` are
+    settings of its config dataclass as it checks them (``num_heads`` dividing ``d_model``,
+    positive sizes, known dtypes), reported as the config's settings."""
+    _choice(config, "model.family", tuple(MODELS))
+    name = MODELS[config.model.family].config_type.__name__
     try:
-        LlamaConfig.from_mapping(config.model)
+        model_config_of(config.model)
     except (ValueError, TypeError) as e:
-        message = str(e).replace("LlamaConfig.", "model.").replace("LlamaConfig", "model")
-        raise ConfigError(message.rstrip(".")) from None
+        message = str(e).replace(f"{name}.", "model.").replace(name, "model").rstrip(".")
+        if message.startswith("Unknown"):  # a setting of another family
+            message += f" (model.family={config.model.family!r})"
+        raise ConfigError(message) from None
 
 
 def _validate_gift_numbers(config) -> None:

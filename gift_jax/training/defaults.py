@@ -3,9 +3,11 @@
 A run is these defaults + a model config (``configs/*.py``, which start from
 ``configs/base.py``: this function) + experiment overrides + command-line overrides, e.g.
 ``--config=configs/tiny.py --config.comm.codec=fp8_e4m3 --config.comm.method=gift``. The
-``model`` group holds exactly the fields of :class:`gift_jax.models.LlamaConfig` (build it
-with ``LlamaConfig.from_mapping``). A config that lacks a setting (a file written before the
-setting existed, a checkpoint's stored config) gets it from here
+``model`` group is ``family`` (a key of :data:`gift_jax.models.MODELS`) plus exactly the fields
+of that family's config dataclass (built by :func:`gift_jax.models.model_config_of`); these
+defaults are the Llama's, and ``configs/gpt_tiny.py`` shows another family. A config that
+lacks a setting (a file written before the setting existed, a checkpoint's stored config)
+gets it from here, or for another family from its spec's defaults
 (:func:`gift_jax.training.config.complete_config`).
 
 The defaults are the ``tiny`` byte-level model (vocab 256; 857,216 parameters).
@@ -22,6 +24,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     # ------------------------------------------------------------------ model (LlamaConfig)
     model = config.model = ml_collections.ConfigDict()
+    model.family = "llama"  # "llama" | "gpt" (gift_jax/models/__init__.py: MODELS)
     model.vocab_size = 256  # token ids; 256 = byte-level tokenizer
     model.d_model = 128  # residual-stream width
     model.num_layers = 4  # transformer blocks

@@ -36,7 +36,7 @@ from flax import nnx
 
 from gift_jax.data import batch_iterator, get_source, stream_batches, vocab_mismatch
 from gift_jax.data.stream import default_workers, global_state
-from gift_jax.models import Llama, LlamaConfig, count_params
+from gift_jax.models import count_params, model_config_of, model_spec
 from gift_jax.training.checkpoint import Checkpointer
 from gift_jax.training.config import (
     ConfigError,
@@ -198,10 +198,10 @@ def _resolve_config(config: ml_collections.ConfigDict, workdir: str | None, *,
     return config, workdir
 
 
-def _parameter_paths(model_config: LlamaConfig) -> list[str]:
+def _parameter_paths(model_config: Any) -> list[str]:
     """The model's parameter paths (``layers/0/mlp/down_proj/kernel``), from abstract shapes:
     nothing is allocated or compiled."""
-    abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
+    abstract = model_spec(model_config).abstract(model_config)
     return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
 
 
@@ -269,7 +269,7 @@ class Trainer:
                                           num_devices=len(devices))
         self.config, self.workdir = config, workdir
         tc = config.train
-        model_config = LlamaConfig.from_mapping(config.model)
+        model_config = model_config_of(config.model)
         # gift.layers against the model's paths, before anything is written to disk
         validate_layer_patterns(config, _parameter_paths(model_config))
         _warn_if_nothing_to_communicate(config, len(devices))
@@ -638,7 +638,7 @@ def train(
     show_progress: bool = True,
     compiler_options: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Trains the Llama of ``config`` data-parallel over all devices of all processes.
+    """Trains the model of ``config`` data-parallel over all devices of all processes.
 
     A :class:`Trainer` built, run and finished: setup, the steps with logging, evaluation,
     diagnostics and checkpoints, then the final evaluation and checkpoint and

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from gift_jax.models import LlamaConfig
+from gift_jax.models import model_config_of
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
 from gift_jax.training.mesh import data_axes, model_axes
 from gift_jax.training.method import Optimizer, build_optimizer
@@ -45,10 +45,10 @@ class Program:
                  update_rule: Callable | None = None):
         tc = config.train
         self.mesh = mesh
-        self.model_config = LlamaConfig.from_mapping(config.model)
+        self.model_config = model_config_of(config.model)
         self.layout = ParamLayout.of(self.model_config, dict(mesh.shape),
                                      dict(config.mesh.get("rules", DEFAULT_RULES)))
-        if model_axes(mesh):  # see LlamaConfig: embed_lookup, activation_axes
+        if model_axes(mesh):  # see LlamaConfig (every family): embed_lookup, activation_axes
             self.model_config = dataclasses.replace(
                 self.model_config, embed_lookup="one_hot",
                 activation_axes=activation_axes(mesh, dict(config.mesh.rules)))

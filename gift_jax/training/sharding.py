@@ -4,7 +4,7 @@ The mesh has up to three named axes (:mod:`.mesh`): ``data`` (replicas that comm
 through the quantized reduction), ``fsdp`` (parameters, gradients and optimizer state split
 within a replica group, ZeRO-3 style; the batch is split over it too) and ``tensor``
 (Megatron-style: attention heads and the MLP hidden dimension). The model's parameters carry
-logical axis names (:data:`gift_jax.models.llama.LOGICAL_AXES`); a rule table maps each
+logical axis names (:data:`gift_jax.models.common.LOGICAL_AXES`); a rule table maps each
 logical name to a mesh axis or to nothing (replicated), the maxtext/Flax convention:
 
 =========== ============== ===========================================================
@@ -15,7 +15,8 @@ logical     default rule   dimension
 ``heads``   ``tensor``     query heads × head_dim
 ``kv_heads`` ``tensor``    key/value heads × head_dim
 ``mlp``     ``tensor``     d_ff (SwiGLU hidden)
-``norm``    replicated     norm gains
+``norm``    replicated     norm gains and biases
+``positions`` replicated   rows of a learned position table (GPT)
 =========== ============== ===========================================================
 
 Optimizer state follows its parameter (:func:`state_specs`): a state leaf under a parameter's
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.stage import LocalShards, partition_specs
-from gift_jax.models import LlamaConfig, logical_axes, param_shapes
+from gift_jax.models import logical_axes, param_shapes
 from gift_jax.training.config import ConfigError
 from gift_jax.training.mesh import DEFAULT_RULES, MODEL_AXES, data_axes, model_axes
 from gift_jax.utils.axes import axis_name_of
@@ -52,7 +53,7 @@ def _rule_axis(rules: Mapping[str, str], name: str) -> str | None:
     return axis or None
 
 
-def param_specs(model_config: LlamaConfig, mesh_shape: Mapping[str, int],
+def param_specs(model_config: Any, mesh_shape: Mapping[str, int],
                 rules: Mapping[str, str] = DEFAULT_RULES) -> dict[str, P]:
     """``{path: PartitionSpec}`` of every parameter for a mesh of ``mesh_shape`` (axis → size).
 
@@ -189,7 +190,7 @@ class ParamLayout:
         self._mesh_shape = dict(mesh_shape or {})
 
     @classmethod
-    def of(cls, model_config: LlamaConfig, mesh_shape: Mapping[str, int],
+    def of(cls, model_config: Any, mesh_shape: Mapping[str, int],
            rules: Mapping[str, str] = DEFAULT_RULES) -> ParamLayout:
         shapes = {p: s.shape for p, s in param_shapes(model_config, flat=True).items()}
         return cls(shapes, param_specs(model_config, mesh_shape, rules), mesh_shape)

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.wire import WireReport, parse_hlo
-from gift_jax.models import Llama, LlamaConfig, next_token_loss
+from gift_jax.models import model_spec, next_token_loss
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
 from gift_jax.training.method import Optimizer
 from gift_jax.training.optim import SkipState
@@ -92,23 +92,24 @@ def _constrain(tree: Any, specs: Any) -> Any:
     return jax.lax.with_sharding_constraint(tree, specs)
 
 
-def model_def_of(model_config: LlamaConfig) -> ModelDef:
-    """The static graph of the Llama (built abstractly, no arrays allocated)."""
-    abstract = nnx.eval_shape(lambda: Llama(model_config, rngs=nnx.Rngs(0)))
+def model_def_of(model_config: Any) -> ModelDef:
+    """The static graph of the model of ``model_config``, any family (built abstractly, no
+    arrays allocated)."""
+    abstract = model_spec(model_config).abstract(model_config)
     graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise ValueError("the model has non-parameter state; the trainer only carries params")
     return ModelDef(graphdef)
 
 
-def params_init_fn(model_config: LlamaConfig, seed: int, mesh: Mesh,
+def params_init_fn(model_config: Any, seed: int, mesh: Mesh,
                    layout: ParamLayout) -> Callable[[], Params]:
     """Jitted ``() → params`` (a pure dict), initialised on device directly on the layout's
     shardings (a sharded model never materialises whole on one device or on the host): the
     same values on every process and every mesh, a function of ``seed`` only."""
 
     def build():
-        model = Llama(model_config, rngs=nnx.Rngs(seed))
+        model = model_spec(model_config).build(model_config, rngs=nnx.Rngs(seed))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     abstract = jax.eval_shape(build)

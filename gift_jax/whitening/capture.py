@@ -274,6 +274,14 @@ def install_capture(
     gradient of the loss w.r.t. a probe is ``Σ_t δ_t δ_tᵀ`` of that layer's output cotangents
     (unscaled; :func:`kfac_value_and_grad` scales it).  Returns the handle for
     :func:`input_stats` / :func:`remove_capture`.
+
+    Args:
+      model: the NNX model (changed in place until :func:`remove_capture`).
+      layers: GIFT's layer patterns.
+      output_probes: ``{kernel path: zero probe}`` to also tap the outputs, or ``None``.
+
+    Returns:
+      The handle of the installed capture.
     """
     found = find_linear_layers(model, layers)
     if output_probes is not None and set(output_probes) != set(found):
@@ -310,7 +318,11 @@ def input_stats(handle: dict[str, tuple[Any, type, Any]]) -> dict[str, jax.Array
 
 
 def remove_capture(handle: dict[str, tuple[Any, type, Any]]) -> None:
-    """Restore the modules' classes and delete the temporary variables."""
+    """Restore the modules' classes and delete the temporary variables.
+
+    Args:
+      handle: what :func:`install_capture` returned.
+    """
     for module, orig, saved in handle.values():
         object.__setattr__(module, "__class__", orig)
         for name in (_SUM, _COUNT, _PROBE, _BASIS, _SCALE, _COVERAGE):
@@ -385,6 +397,13 @@ def with_input_stats(
     ``out`` is whatever ``loss_fn`` returns (so with ``nnx.value_and_grad(..., has_aux=True)``
     a scalar loss gives ``((loss, stats), grads)``; a ``(loss, aux)`` loss needs ``out`` to be
     unpacked by the caller).  The model is restored before returning, also on error.
+
+    Args:
+      loss_fn: ``loss_fn(model, *args, **kwargs)``.
+      layers: GIFT's layer patterns.
+
+    Returns:
+      ``fn(model, *args, **kwargs) → (out, {kernel path: A = E[x xᵀ]})``.
     """
 
     return _capturing(loss_fn, lambda m: install_capture(m, layers), input_stats)
@@ -418,6 +437,17 @@ def kfac_value_and_grad(
     plain ``nnx.value_and_grad(loss_fn)`` and does no statistics work).  Jit it as you would
     ``nnx.value_and_grad``.  The model is restored before returning, also on error; layers
     stacked with ``nnx.vmap`` and applied with ``nnx.scan`` give ``(L, ·, ·)`` statistics.
+
+    Args:
+      loss_fn: ``loss_fn(model, *args, **kwargs)`` → a scalar loss (or ``(loss, aux)``).
+      layers: GIFT's layer patterns (the selected ``nnx.Linear`` layers).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      reduction: ``"mean"`` or ``"sum"``, how ``loss_fn`` reduces over tokens (sets the scale
+        of ``B``).
+      wrt: the variable filter to differentiate (``nnx.Param``).
+
+    Returns:
+      The function described above.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"capture: reduction must be one of {REDUCTIONS}, got {reduction!r}")

@@ -140,6 +140,17 @@ def fidelity_report(
     pools squared norms over leaves (so it is the metric of the concatenated gradient: relative
     L2, cosine, Adam and whitened errors) and takes the max of ``max_abs_error``; the Muon error
     is per matrix only (polar factors of different leaves do not pool).
+
+    Args:
+      approx: the reduced gradient tree under test (e.g. an FP8 all-reduce's output).
+      ref: the exact reference tree of the same structure (e.g. the fp32 mean).
+      factors: ``{leaf path: whitening factor}`` of the leaves to also measure in the whitened
+        frame, or ``None``.
+      adam_eps: ε of the Adam frame ``G/(|G| + ε)``.
+      muon: polar method of the Muon frame, or ``None`` to skip it.
+
+    Returns:
+      ``{path: {metric: scalar}}`` with an ``"aggregate"`` entry.
     """
     factors = dict(factors or {})
     fa = {leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(approx)[0]}

@@ -92,6 +92,8 @@ reads the ratio.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -116,6 +118,7 @@ __all__ = [
     "ROUTE_FRAMES",
     "GiftDimensionNumbers",
     "GiftState",
+    "Settings",
     "gift",
     "coverage_basis",
     "coverage_bases",
@@ -186,7 +189,15 @@ class GiftState(NamedTuple):
 
 
 def refresh_due(step: int, refresh_every: int) -> bool:
-    """Host-side schedule: refresh (pass ``gift_stats``) on steps 0, K, 2K, ..."""
+    """Host-side schedule: refresh (pass ``gift_stats``) on steps 0, K, 2K, ...
+
+    Args:
+      step: the 0-based step about to run.
+      refresh_every: the refresh period ``K``.
+
+    Returns:
+      Whether ``step`` is a refresh step.
+    """
     return step % refresh_every == 0
 
 
@@ -341,7 +352,19 @@ def select_layers(
     layers: Sequence[str],
     dimension_numbers: Mapping[str, GiftDimensionNumbers] | None = None,
 ) -> dict[str, MatrixView]:
-    """Map each selected leaf path of ``tree`` to its static layout; validates the patterns."""
+    """Map each selected leaf path of ``tree`` to its static layout; validates the patterns.
+
+    Args:
+      tree: the parameters or gradients.
+      layers: GIFT's layer patterns (module docstring).
+      dimension_numbers: ``{pattern: GiftDimensionNumbers}`` of non-2-D selected leaves.
+
+    Returns:
+      ``{leaf path: MatrixView}`` of the selected leaves.
+
+    Raises:
+      ValueError: a pattern that selects nothing, or a non-2-D leaf without dimension numbers.
+    """
     dimension_numbers = dict(dimension_numbers or {})
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     paths = [(leaf_path(p), x) for p, x in flat]
@@ -355,6 +378,422 @@ def select_layers(
     require_matches(layers, (p for p, _ in paths), "gift.layers")
     require_matches(list(dimension_numbers), out, "gift.dimension_numbers")
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Settings:
+    """The static settings of one :func:`gift` stage, validated once (:meth:`build`).
+
+    Attributes are :func:`gift`'s arguments, with ``layers`` a tuple and ``axis_name``
+    resolved (the inner all-reduce's axis when not given), plus:
+
+    Attributes:
+      inner: the wrapped stage with extra-args support (what the update calls).
+      reduce_stage: the wrapped stage as built (what :func:`~gift_jax.comm.stage.transport_only`
+        and :func:`~gift_jax.comm.stage.reframe_error_feedback` read its bucket plan from).
+      comm_axis: the axis the inner all-reduce reduces over (``None``: not an all-reduce).
+    """
+
+    layers: tuple[str, ...]
+    rank: int
+    factor: str
+    damping: float
+    ema: float
+    damping_mode: str
+    axis_name: Any
+    sqrt: str
+    block_size: int
+    eig_method: str
+    eig_iters: int
+    eig_oversample: int
+    dimension_numbers: Mapping[str, GiftDimensionNumbers] | None
+    two_sided: bool
+    distribute_refresh: bool
+    seed: int
+    route_frame: str
+    route_adam_eps: float
+    track_coverage: bool
+    inner: Any
+    reduce_stage: Any
+    comm_axis: Any
+
+    @property
+    def routing(self) -> bool:
+        """Whether refreshes measure both transports and route (``route_frame != "off"``)."""
+        return self.route_frame != "off"
+
+    @property
+    def use_basis(self) -> bool:
+        """Whether low-rank factors keep their eigenbasis (the warm-started eigensolver)."""
+        return self.eig_method == "subspace" and self.factor.startswith("lowrank")
+
+    def select(self, tree: Any) -> dict[str, MatrixView]:
+        """The layouts of the selected leaves of ``tree`` (:func:`select_layers`)."""
+        return select_layers(tree, self.layers, self.dimension_numbers)
+
+    @classmethod
+    def build(cls, inner: optax.GradientTransformation, layers: Sequence[str] | str,
+              **kwargs: Any) -> Settings:
+        """Validated settings; ``kwargs`` are :func:`gift`'s other arguments.
+
+        Raises:
+          TypeError: ``inner`` is not an optax transformation.
+          ValueError: a setting out of range, naming it and what is allowed.
+        """
+        if not hasattr(inner, "init") or not hasattr(inner, "update"):
+            raise TypeError(f"gift: inner must be an optax GradientTransformation, got {inner!r}")
+        k = dict(kwargs)
+        comm_axis = allreduce_axis(inner)  # what the inner all-reduce reduces over, if it is one
+        if k["axis_name"] is None:  # average statistics over the axis the inner all-reduce uses
+            k["axis_name"] = comm_axis
+        layers = (layers,) if isinstance(layers, str) else tuple(layers)
+        if not layers:
+            raise ValueError("gift: layers must name at least one pattern")
+        if k["factor"] not in wh.FACTOR_KINDS:
+            raise ValueError(f"gift: factor must be one of {wh.FACTOR_KINDS}, got {k['factor']!r}")
+        if not (isinstance(k["rank"], int) and k["rank"] >= 1):
+            raise ValueError(f"gift: rank must be an int >= 1, got {k['rank']!r}")
+        if not k["damping"] > 0:
+            raise ValueError(f"gift: damping must be > 0, got {k['damping']!r}")
+        if k["damping_mode"] not in ("relative", "absolute"):
+            raise ValueError(
+                f"gift: damping_mode must be 'relative' or 'absolute', got {k['damping_mode']!r}"
+            )
+        if not 0.0 <= k["ema"] < 1.0:
+            raise ValueError(f"gift: ema must be in [0, 1), got {k['ema']!r}")
+        if k["sqrt"] not in ("cholesky", "symmetric"):
+            raise ValueError(f"gift: sqrt must be 'cholesky' or 'symmetric', got {k['sqrt']!r}")
+        if not (isinstance(k["block_size"], int) and k["block_size"] >= 1):
+            raise ValueError(f"gift: block_size must be an int >= 1, got {k['block_size']!r}")
+        if k["eig_method"] not in ("eigh", "subspace"):
+            raise ValueError(
+                f"gift: eig_method must be 'eigh' or 'subspace', got {k['eig_method']!r}")
+        if k["eig_iters"] < 0 or k["eig_oversample"] < 0:
+            raise ValueError("gift: eig_iters and eig_oversample must be >= 0")
+        if k["route_frame"] not in ROUTE_FRAMES:
+            raise ValueError(
+                f"gift: route_frame must be one of {ROUTE_FRAMES}, got {k['route_frame']!r}")
+        if k["route_frame"] != "off" and allreduce_spec(inner) is None:
+            raise ValueError(f"gift: route_frame={k['route_frame']!r} measures the round trip "
+                             "with the codec of inner, which must be a gift_jax.allreduce stage")
+        return cls(layers=layers, inner=optax.with_extra_args_support(inner),
+                   reduce_stage=inner, comm_axis=comm_axis, **k)
+
+
+# -------------------------------------------------------------------- per-layer pieces (pure)
+
+
+def identity_of(s: Settings, lay: MatrixView) -> Any:
+    """The identity factor of a layer whose updates have the layout ``lay`` (leading (B,))."""
+    left = wh.identity_factor(s.factor, lay.n_reduction, s.rank, s.block_size)
+    if s.two_sided:
+        right = wh.identity_factor(s.factor, lay.n_output, s.rank, s.block_size)
+        left = wh.KroneckerFactor(left, right)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (lay.batch,) + x.shape), left)
+
+
+def init_state(s: Settings, params: Any) -> GiftState:
+    """The state before the first refresh: zero statistics, identity factors (a pass-through
+    to ``inner``), every matrix routed whitened, zero coverage."""
+    sel = s.select(params)
+    stats, out_stats, basis, factors = {}, {}, {}, {}
+    for path, lay in sel.items():
+        b, n = lay.batch, lay.n_reduction
+        stats[path] = jnp.zeros((b, lay.n_reduction, lay.n_reduction), jnp.float32)
+        if s.two_sided:
+            out_stats[path] = jnp.zeros((b, lay.n_output, lay.n_output), jnp.float32)
+        if s.use_basis and s.rank < n:
+            basis[path] = jnp.zeros((b, n, min(s.rank, n)), jnp.float32)
+        factors[path] = identity_of(s, lay)
+    z = jnp.zeros((), jnp.int32)
+    per_matrix = lambda on, make: {p: make(lay) for p, lay in sel.items()} if on else {}
+    use = per_matrix(s.routing, lambda lay: jnp.ones((lay.batch,), bool))
+    err = per_matrix(s.routing, lambda lay: jnp.zeros((2, lay.batch), jnp.float32))
+    cov = per_matrix(s.track_coverage, lambda lay: jnp.zeros((lay.batch,), jnp.float32))
+    return GiftState(
+        count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
+        out_stats=out_stats, basis=basis, factors=factors, inner_state=s.inner.init(params),
+        use_whitening=use, route_error=err, coverage=cov, coverage_ref=cov,
+    )
+
+
+def check_stats(name: str, given: Any, want_shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    """``given`` as a dict, after checking its keys and shapes against ``want_shapes``.
+
+    Raises:
+      ValueError: naming the argument (``gift_stats``…) and the mismatching keys or shape.
+    """
+    if not isinstance(given, Mapping):
+        raise ValueError(f"gift: {name} must be a mapping {{param path: array}}")
+    given = {k: v for k, v in given.items()}
+    if set(given) != set(want_shapes):
+        raise ValueError(
+            f"gift: {name} keys {sorted(given)} do not match the selected layers "
+            f"{sorted(want_shapes)}"
+        )
+    for path, want in want_shapes.items():
+        if tuple(jnp.shape(given[path])) != want:
+            raise ValueError(
+                f"gift: {name}[{path!r}] has shape {jnp.shape(given[path])}, expected {want}"
+            )
+    return given
+
+
+def reduce_ema(s: Settings, given: Mapping[str, jax.Array], old: Mapping[str, jax.Array]
+               ) -> tuple[dict, dict, dict]:
+    """pmean over replicas, then EMA per layer ``(B, n, n)``.
+
+    ``A ← ema·A + (1 − ema)·Ā`` with ``Ā`` this step's reduced statistic. A layer whose
+    reduced statistic is non-finite keeps its old statistic (the EMA is never poisoned); a
+    layer with no statistic yet (zero trace) takes the new one as is.
+
+    Returns:
+      ``(new stats, finite mask (B,) per layer, this step's reduced stats)``.
+    """
+    new, finite, reduced = {}, {}, {}
+    for path, a in given.items():
+        a = pmean(jnp.asarray(a, jnp.float32).reshape(old[path].shape), s.axis_name)
+        ok = jnp.all(jnp.isfinite(a), axis=(-2, -1))
+        fresh = jnp.trace(old[path], axis1=-2, axis2=-1) == 0
+        upd = jnp.where(fresh[:, None, None], a, s.ema * old[path] + (1.0 - s.ema) * a)
+        new[path] = jnp.where(ok[:, None, None], upd, old[path])
+        finite[path] = ok
+        reduced[path] = a
+    return new, finite, reduced
+
+
+def build_factor(s: Settings, a: jax.Array, b_stats: jax.Array | None, proj: jax.Array | None,
+                 basis: jax.Array | None, key: jax.Array | None) -> tuple[Any, jax.Array, Any]:
+    """One layer's factor (no batch axis) from its statistic ``a`` (``MᵀAM`` when projected by
+    ``proj = M``), its output statistic for two-sided whitening, and the last eigenbasis for
+    the warm-started eigensolver.
+
+    Returns:
+      ``(factor, status, new basis or None)``; status 1: damped fallback, 2: identity.
+    """
+    kw = dict(
+        rank=s.rank, damping=s.damping, damping_mode=s.damping_mode, block_size=s.block_size,
+        sqrt=s.sqrt, eig_method=s.eig_method, oversample=s.eig_oversample, iters=s.eig_iters,
+    )
+    if proj is not None:
+        a = jnp.matmul(proj.T, jnp.matmul(a, proj, precision="highest"), precision="highest")
+    pairs = None
+    if basis is not None:  # randomized eigensolver, warm-started from the last basis
+        pairs = wh.top_eigenpairs(
+            jnp.where(jnp.isfinite(a), a, 0.0), s.rank, "subspace", key=key, init=basis,
+            oversample=s.eig_oversample, iters=s.eig_iters,
+        )
+    f, status = wh.make_factor(a, s.factor, key=key, eigenpairs=pairs, **kw)
+    if b_stats is not None:
+        k2 = None if key is None else jax.random.fold_in(key, 1)
+        g, s2 = wh.make_factor(b_stats, s.factor, key=k2, **kw)
+        f, status = wh.KroneckerFactor(f, g), jnp.maximum(status, s2)
+    return f, status, None if pairs is None else pairs[0]
+
+
+# -------------------------------------------------------------------- refresh
+
+
+def _refresh_statistics(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
+                        gift_stats: Any, gift_output_stats: Any, gift_projection: Any
+                        ) -> tuple[dict, dict, dict, dict, dict]:
+    """A refresh's checked and reduced inputs: ``(stats, out_stats, finite, this step's A,
+    projections {path: M} of the projected layers)``."""
+    widths = {path: state.stats[path].shape[-1] for path in sel}  # n: A's side
+    projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
+    in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
+    stats, finite, step_a = reduce_ema(s, check_stats("gift_stats", gift_stats, in_shapes),
+                                       state.stats)
+    out_stats = state.out_stats
+    if s.two_sided:
+        if gift_output_stats is None:
+            raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
+        out_stats, out_finite, _ = reduce_ema(
+            s, check_stats("gift_output_stats", gift_output_stats,
+                           {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
+            state.out_stats,
+        )
+        finite = {p: finite[p] & out_finite[p] for p in finite}
+    elif gift_output_stats is not None:
+        raise ValueError("gift: gift_output_stats given but two_sided=False")
+    projs = {}
+    if projected:
+        if gift_projection is None:
+            raise ValueError(
+                f"gift: layers {projected} receive projected coordinates (statistics wider "
+                "than their updates); pass gift_projection={path: M} on refreshes")
+        projs = check_stats("gift_projection", gift_projection, {
+            p: sel[p].batch_shape + (widths[p], sel[p].n_reduction) for p in projected})
+        if s.track_coverage:
+            raise ValueError(f"gift: track_coverage=True does not support layers {projected} "
+                             "that receive projected coordinates")
+    elif gift_projection is not None:
+        raise ValueError("gift: gift_projection given, but no layer receives projected "
+                         "coordinates (see GiftState.with_input_widths)")
+    projs = {p: jnp.asarray(m, jnp.float32).reshape(sel[p].batch, widths[p], sel[p].n_reduction)
+             for p, m in projs.items()}
+    return stats, out_stats, finite, step_a, projs
+
+
+def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_stats: Any,
+            gift_output_stats: Any, gift_projection: Any) -> GiftState:
+    """The state after a refresh: statistics reduced and folded into the EMA, factors rebuilt
+    (spread over the replicas unless ``distribute_refresh=False``), layers with non-finite
+    statistics on the identity, fallbacks counted; ``sel``: this step's update layouts."""
+    stats, out_stats, finite, step_a, projs = _refresh_statistics(
+        s, state, sel, gift_stats, gift_output_stats, gift_projection)
+    key = jax.random.fold_in(jax.random.key(s.seed), state.refreshes)
+    jobs = {}
+    for path, lay in sel.items():
+        keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), lay.batch)
+        bas = state.basis.get(path)
+        if bas is not None:  # first refresh: no previous basis → random start
+            bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
+        jobs[path] = (stats[path], out_stats.get(path) if s.two_sided else None,
+                      projs.get(path), bas, keys if s.eig_method == "subspace" else None)
+    build = lambda *job: build_factor(s, *job)
+    built = map_matrices_grouped(build, jobs, s.axis_name if s.distribute_refresh else None)
+    factors, basis, n_damped, n_ident = {}, {}, state.damped_fallbacks, state.identity_fallbacks
+    for path, lay in sel.items():
+        f, status, nb = built[path]
+        # non-finite statistics this refresh → identity (Euclidean) for that layer
+        f = jax.tree.map(
+            lambda x, i, ok=finite[path]: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)),
+                                                    x, i), f, identity_of(s, lay))
+        status = jnp.where(finite[path], status, 2)
+        factors[path] = f
+        if nb is not None:
+            basis[path] = nb
+        n_damped = n_damped + jnp.sum(status == 1).astype(jnp.int32)
+        n_ident = n_ident + jnp.sum(status == 2).astype(jnp.int32)
+    if s.track_coverage:
+        cov = {p: jax.vmap(input_coverage)(factors[p], step_a[p]) for p in sel}
+        state = state._replace(coverage=cov, coverage_ref=cov)
+    return state._replace(
+        count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
+        damped_fallbacks=n_damped, identity_fallbacks=n_ident, stats=stats,
+        out_stats=out_stats, basis=basis, factors=factors,
+    )
+
+
+# -------------------------------------------------------------------- transport
+
+
+def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str, Any],
+              fn: Any, use: Mapping[str, jax.Array] | None = None) -> Any:
+    """``fn`` (:func:`~gift_jax.whitening.whiten` or ``unwhiten``) on the selected leaves of
+    ``updates``; with ``use`` (``{path: (B,) bool}``) only on the matrices routed through the
+    whitened transport — a traced select, so a routing change never recompiles."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    out = []
+    for p, x in flat:
+        path = leaf_path(p)
+        if path in sel:
+            lay = sel[path]
+            m = lay.to_matrix(x)
+            y = jax.vmap(fn)(factors[path], m)
+            if use is not None:
+                y = jnp.where(use[path][:, None, None], y, m.astype(y.dtype))
+            x = lay.from_matrix(y, shape=x.shape).astype(x.dtype)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftState
+          ) -> GiftState:
+    """New ``use_whitening``/``route_error`` from this step's gradients and the (new)
+    factors, measured on the reduced transports: the selected leaves are reduced both ways
+    by the inner stage's transport (:func:`~gift_jax.comm.stage.transport_only`: its codec,
+    scaling, accumulation and shards; no error feedback) and once exactly (fp32 ``pmean``),
+    and each matrix is whitened where its whitened error in the frame is strictly smaller.
+    Every input of the decision is a reduced value: identical on every replica."""
+    leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    g = {path: leaves[path] for path in sel}
+    white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
+        state.factors[path], lay.to_matrix(g[path])), shape=g[path].shape).astype(
+            g[path].dtype) for path, lay in sel.items()}
+    euclid, whitened = transport_only(s.reduce_stage, updates, g, white)
+    use, err = {}, {}
+    frame, eps = s.route_frame, s.route_adam_eps
+    for path, lay in sel.items():
+        f = state.factors[path]
+        exact = lay.to_matrix(pmean(jnp.asarray(g[path], jnp.float32), s.axis_name))
+        back = jax.vmap(wh.unwhiten)(f, lay.to_matrix(whitened[path]))
+        errs = jax.vmap(lambda a, b, r, fi: jnp.stack([
+            frame_errors(a, r, frame, fi, eps)[0], *frame_errors(b, r, frame, fi, eps)]))(
+                lay.to_matrix(euclid[path]).astype(jnp.float32), back, exact, f)
+        e = errs.T  # (3, B): [err²(Euclidean), err²(whitened), ref²]
+        use[path] = e[1] < e[0]
+        err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
+    return state._replace(use_whitening=use, route_error=err)
+
+
+def measured_coverage(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
+                      sums: Any) -> dict[str, jax.Array]:
+    """This ordinary step's coverage per matrix from the callers' local sample sums
+    ``{path: lead + (2,)}`` (layers with a basis; the others keep 1), pmean'd."""
+    bases = coverage_bases(state)
+    if not bases:  # no layer's factor has a basis: nothing can go stale
+        return state.coverage
+    if sums is None:
+        raise ValueError(
+            "gift: track_coverage=True needs gift_coverage={path: [Σ‖BᵀSx‖², Σ‖Sx‖²]} on "
+            "ordinary steps (gift_jax.whitening.capture.with_input_coverage with "
+            "coverage_bases(state))")
+    sums = check_stats("gift_coverage", sums, {p: sel[p].batch_shape + (2,) for p in bases})
+    cov = dict(state.coverage)
+    for path, v in sums.items():
+        v = pmean(jnp.asarray(v, jnp.float32).reshape(-1, 2), s.axis_name)
+        cov[path] = v[:, 0] / jnp.maximum(v[:, 1], 1e-30)
+    return cov
+
+
+def refresh_and_reframe(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
+                        updates: Any, gift_stats: Any, gift_output_stats: Any,
+                        gift_projection: Any, gift_route_updates: Any) -> GiftState:
+    """A refresh step's state: :func:`refresh`, then :func:`route` (on
+    ``gift_route_updates`` when given), then the inner stage's error feedback moved from the
+    old frame (``W₁`` where it was whitened, else ``I``) to the new one."""
+    old_factors, old_use = state.factors, state.use_whitening or None
+    state = refresh(s, state, sel, gift_stats, gift_output_stats, gift_projection)
+    if s.routing:
+        state = route(s, updates if gift_route_updates is None else gift_route_updates, sel,
+                      state)
+    new_use = state.use_whitening or None
+    change = lambda t, old=old_factors, new=state.factors: transform(
+        transform(t, sel, old, wh.unwhiten, old_use), sel, new, wh.whiten, new_use)
+    moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
+    return state._replace(inner_state=reframe_error_feedback(
+        state.inner_state, s.reduce_stage, updates, change, moved))
+
+
+def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
+           gift_stats: Any = None, gift_output_stats: Any = None, gift_projection: Any = None,
+           gift_coverage: Any = None, gift_route_updates: Any = None, **extra_args: Any
+           ) -> tuple[Any, GiftState]:
+    """The stage's update: refresh (when ``gift_stats`` is given) or count the step, then
+    ``W⁻¹ · inner(W · G)`` on the selected matrices routed whitened (``G`` elsewhere)."""
+    require_per_device(updates, s.comm_axis, "gift_jax.gift")
+    sel = s.select(updates)
+    if gift_coverage is not None and (gift_stats is not None or not s.track_coverage):
+        raise ValueError("gift: gift_coverage is for the ordinary steps of a "
+                         "gift(track_coverage=True) stage (refreshes take gift_stats)")
+    if gift_stats is not None:
+        state = refresh_and_reframe(s, state, sel, updates, gift_stats, gift_output_stats,
+                                    gift_projection, gift_route_updates)
+    elif (gift_output_stats is not None or gift_projection is not None
+          or gift_route_updates is not None):
+        raise ValueError("gift: gift_output_stats/gift_projection/gift_route_updates need "
+                         "gift_stats")
+    else:
+        state = state._replace(count=state.count + 1)
+        if s.track_coverage:
+            state = state._replace(coverage=measured_coverage(s, state, sel, gift_coverage))
+    use = state.use_whitening or None
+    whitened = transform(updates, sel, state.factors, wh.whiten, use)
+    reduced, inner_state = s.inner.update(whitened, state.inner_state, params, **extra_args)
+    out = transform(reduced, sel, state.factors, wh.unwhiten, use)
+    return out, state._replace(inner_state=inner_state)
 
 
 def gift(
@@ -421,301 +860,16 @@ def gift(
         reference); ordinary steps then need ``gift_coverage=`` (see the module docstring).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`.
+      An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`: ``init``
+      is :func:`init_state`, ``update`` is :func:`update`, over the validated
+      :class:`Settings`.
     """
-    if not hasattr(inner, "init") or not hasattr(inner, "update"):
-        raise TypeError(f"gift: inner must be an optax GradientTransformation, got {inner!r}")
-    comm_axis = allreduce_axis(inner)  # what the inner all-reduce reduces over, if it is one
-    if axis_name is None:  # average statistics over the axis the inner all-reduce uses
-        axis_name = comm_axis
-    if isinstance(layers, str):
-        layers = (layers,)
-    layers = tuple(layers)
-    if not layers:
-        raise ValueError("gift: layers must name at least one pattern")
-    if factor not in wh.FACTOR_KINDS:
-        raise ValueError(f"gift: factor must be one of {wh.FACTOR_KINDS}, got {factor!r}")
-    if not (isinstance(rank, int) and rank >= 1):
-        raise ValueError(f"gift: rank must be an int >= 1, got {rank!r}")
-    if not damping > 0:
-        raise ValueError(f"gift: damping must be > 0, got {damping!r}")
-    if damping_mode not in ("relative", "absolute"):
-        raise ValueError(
-            f"gift: damping_mode must be 'relative' or 'absolute', got {damping_mode!r}"
-        )
-    if not 0.0 <= ema < 1.0:
-        raise ValueError(f"gift: ema must be in [0, 1), got {ema!r}")
-    if sqrt not in ("cholesky", "symmetric"):
-        raise ValueError(f"gift: sqrt must be 'cholesky' or 'symmetric', got {sqrt!r}")
-    if not (isinstance(block_size, int) and block_size >= 1):
-        raise ValueError(f"gift: block_size must be an int >= 1, got {block_size!r}")
-    if eig_method not in ("eigh", "subspace"):
-        raise ValueError(f"gift: eig_method must be 'eigh' or 'subspace', got {eig_method!r}")
-    if eig_iters < 0 or eig_oversample < 0:
-        raise ValueError("gift: eig_iters and eig_oversample must be >= 0")
-    if route_frame not in ROUTE_FRAMES:
-        raise ValueError(f"gift: route_frame must be one of {ROUTE_FRAMES}, got {route_frame!r}")
-    routing = route_frame != "off"
-    if routing and allreduce_spec(inner) is None:
-        raise ValueError(f"gift: route_frame={route_frame!r} measures the round trip with the "
-                         "codec of inner, which must be a gift_jax.allreduce stage")
-    reduce_stage = inner  # as built: what reframe_error_feedback reads its bucket plan from
-    inner = optax.with_extra_args_support(inner)
-    use_basis = eig_method == "subspace" and factor.startswith("lowrank")
-
-    def ident(lay: MatrixView) -> Any:
-        """The identity factor of a layer whose updates have the layout ``lay``."""
-        b = lay.batch
-        left = wh.identity_factor(factor, lay.n_reduction, rank, block_size)
-        if two_sided:
-            right = wh.identity_factor(factor, lay.n_output, rank, block_size)
-            left = wh.KroneckerFactor(left, right)
-        return jax.tree.map(lambda x: jnp.broadcast_to(x, (b,) + x.shape), left)
-
-    def init_fn(params):
-        sel = select_layers(params, layers, dimension_numbers)
-        stats, out_stats, basis, factors = {}, {}, {}, {}
-        for path, lay in sel.items():
-            b, n = lay.batch, lay.n_reduction
-            stats[path] = jnp.zeros((b, lay.n_reduction, lay.n_reduction), jnp.float32)
-            if two_sided:
-                out_stats[path] = jnp.zeros((b, lay.n_output, lay.n_output), jnp.float32)
-            if use_basis and rank < n:
-                basis[path] = jnp.zeros((b, n, min(rank, n)), jnp.float32)
-            factors[path] = ident(lay)
-        z = jnp.zeros((), jnp.int32)
-        use = {p: jnp.ones((lay.batch,), bool) for p, lay in sel.items()} if routing else {}
-        err = {p: jnp.zeros((2, lay.batch), jnp.float32) for p, lay in sel.items()} if (
-            routing) else {}
-        cov = {p: jnp.zeros((lay.batch,), jnp.float32) for p, lay in sel.items()} if (
-            track_coverage) else {}
-        return GiftState(
-            count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
-            out_stats=out_stats, basis=basis, factors=factors, inner_state=inner.init(params),
-            use_whitening=use, route_error=err, coverage=cov, coverage_ref=cov,
-        )
-
-    def check_stats(name, given, want_shapes):
-        """``given`` as a dict, after checking its keys and shapes against ``want_shapes``."""
-        if not isinstance(given, Mapping):
-            raise ValueError(f"gift: {name} must be a mapping {{param path: array}}")
-        given = {k: v for k, v in given.items()}
-        if set(given) != set(want_shapes):
-            raise ValueError(
-                f"gift: {name} keys {sorted(given)} do not match the selected layers "
-                f"{sorted(want_shapes)}"
-            )
-        for path, want in want_shapes.items():
-            if tuple(jnp.shape(given[path])) != want:
-                raise ValueError(
-                    f"gift: {name}[{path!r}] has shape {jnp.shape(given[path])}, expected {want}"
-                )
-        return given
-
-    def reduce_ema(given, old):
-        """pmean over replicas, then EMA per layer (B, n, n) → (new stats, finite mask (B,),
-        this step's reduced stats).
-
-        A layer whose reduced statistic is non-finite keeps its old statistic (the EMA is never
-        poisoned); a layer with no statistic yet (zero trace) takes the new one as is."""
-        new, finite, reduced = {}, {}, {}
-        for path, a in given.items():
-            a = pmean(jnp.asarray(a, jnp.float32).reshape(old[path].shape), axis_name)
-            ok = jnp.all(jnp.isfinite(a), axis=(-2, -1))
-            fresh = jnp.trace(old[path], axis1=-2, axis2=-1) == 0
-            upd = jnp.where(fresh[:, None, None], a, ema * old[path] + (1.0 - ema) * a)
-            new[path] = jnp.where(ok[:, None, None], upd, old[path])
-            finite[path] = ok
-            reduced[path] = a
-        return new, finite, reduced
-
-    def build(a, b_stats, proj, basis, key):
-        """One layer (no batch axis) → (factor, status, new basis or None)."""
-        kw = dict(
-            rank=rank, damping=damping, damping_mode=damping_mode, block_size=block_size,
-            sqrt=sqrt, eig_method=eig_method, oversample=eig_oversample, iters=eig_iters,
-        )
-        if proj is not None:
-            a = jnp.matmul(proj.T, jnp.matmul(a, proj, precision="highest"), precision="highest")
-        pairs = None
-        if basis is not None:  # randomized eigensolver, warm-started from the last basis
-            pairs = wh.top_eigenpairs(
-                jnp.where(jnp.isfinite(a), a, 0.0), rank, "subspace", key=key, init=basis,
-                oversample=eig_oversample, iters=eig_iters,
-            )
-        f, status = wh.make_factor(a, factor, key=key, eigenpairs=pairs, **kw)
-        if b_stats is not None:
-            k2 = None if key is None else jax.random.fold_in(key, 1)
-            g, s2 = wh.make_factor(b_stats, factor, key=k2, **kw)
-            f, status = wh.KroneckerFactor(f, g), jnp.maximum(status, s2)
-        return f, status, None if pairs is None else pairs[0]
-
-    def refresh(state, sel, gift_stats, gift_output_stats, gift_projection):
-        """The state after a refresh; ``sel``: the layouts of this step's updates."""
-        widths = {path: state.stats[path].shape[-1] for path in sel}  # n: A's side
-        projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
-        in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
-        stats, finite, step_a = reduce_ema(check_stats("gift_stats", gift_stats, in_shapes),
-                                           state.stats)
-        out_stats = state.out_stats
-        if two_sided:
-            if gift_output_stats is None:
-                raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
-            out_stats, out_finite, _ = reduce_ema(
-                check_stats("gift_output_stats", gift_output_stats,
-                            {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
-                state.out_stats,
-            )
-            finite = {p: finite[p] & out_finite[p] for p in finite}
-        elif gift_output_stats is not None:
-            raise ValueError("gift: gift_output_stats given but two_sided=False")
-        projs = {}
-        if projected:
-            if gift_projection is None:
-                raise ValueError(
-                    f"gift: layers {projected} receive projected coordinates (statistics wider "
-                    "than their updates); pass gift_projection={path: M} on refreshes")
-            projs = check_stats("gift_projection", gift_projection, {
-                p: sel[p].batch_shape + (widths[p], sel[p].n_reduction) for p in projected})
-        elif gift_projection is not None:
-            raise ValueError("gift: gift_projection given, but no layer receives projected "
-                             "coordinates (see GiftState.with_input_widths)")
-        key = jax.random.fold_in(jax.random.key(seed), state.refreshes)
-        jobs = {}
-        for path, lay in sel.items():
-            b = lay.batch
-            keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), b)
-            p = None if path not in projs else jnp.asarray(projs[path], jnp.float32).reshape(
-                b, widths[path], lay.n_reduction)
-            bas = state.basis.get(path)
-            if bas is not None:  # first refresh: no previous basis → random start
-                bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
-            jobs[path] = (stats[path], out_stats.get(path) if two_sided else None, p, bas,
-                          keys if eig_method == "subspace" else None)
-        built = map_matrices_grouped(build, jobs, axis_name if distribute_refresh else None)
-        factors, basis, n_damped, n_ident = {}, {}, state.damped_fallbacks, state.identity_fallbacks
-        for path, lay in sel.items():
-            f, status, nb = built[path]
-            # non-finite statistics this refresh → identity (Euclidean) for that layer
-            f = jax.tree.map(
-                lambda x, i, ok=finite[path]: jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)),
-                                                        x, i), f, ident(lay))
-            status = jnp.where(finite[path], status, 2)
-            factors[path] = f
-            if nb is not None:
-                basis[path] = nb
-            n_damped = n_damped + jnp.sum(status == 1).astype(jnp.int32)
-            n_ident = n_ident + jnp.sum(status == 2).astype(jnp.int32)
-        if track_coverage:
-            if projected:
-                raise ValueError(f"gift: track_coverage=True does not support layers {projected} "
-                                 "that receive projected coordinates")
-            cov = {p: jax.vmap(input_coverage)(factors[p], step_a[p]) for p in sel}
-            state = state._replace(coverage=cov, coverage_ref=cov)
-        return state._replace(
-            count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
-            damped_fallbacks=n_damped, identity_fallbacks=n_ident, stats=stats,
-            out_stats=out_stats, basis=basis, factors=factors,
-        )
-
-    def transform(updates, sel, factors, fn, use=None):
-        """``fn`` (whiten/unwhiten) on the selected leaves; with ``use`` ({path: (B,) bool})
-        only on the matrices routed through the whitened transport — a traced select, so a
-        routing change never recompiles."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        out = []
-        for p, x in flat:
-            path = leaf_path(p)
-            if path in sel:
-                lay = sel[path]
-                m = lay.to_matrix(x)
-                y = jax.vmap(fn)(factors[path], m)
-                if use is not None:
-                    y = jnp.where(use[path][:, None, None], y, m.astype(y.dtype))
-                x = lay.from_matrix(y, shape=x.shape).astype(x.dtype)
-            out.append(x)
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def route(updates, sel, state):
-        """New ``use_whitening``/``route_error`` from this step's gradients and the (new)
-        factors, measured on the reduced transports: the selected leaves are reduced both ways
-        by the inner stage's transport (:func:`~gift_jax.comm.stage.transport_only`: its
-        codec, scaling, accumulation and shards; no error feedback) and once exactly (fp32
-        ``pmean``), and each matrix is whitened where its whitened error in the frame is
-        strictly smaller.  Every input of the decision is a reduced value: identical on every
-        replica by construction."""
-        leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
-        g = {path: leaves[path] for path in sel}
-        white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
-            state.factors[path], lay.to_matrix(g[path])), shape=g[path].shape).astype(
-                g[path].dtype) for path, lay in sel.items()}
-        euclid, whitened = transport_only(reduce_stage, updates, g, white)
-        use, err = {}, {}
-        for path, lay in sel.items():
-            f = state.factors[path]
-            exact = lay.to_matrix(pmean(jnp.asarray(g[path], jnp.float32), axis_name))
-            back = jax.vmap(wh.unwhiten)(f, lay.to_matrix(whitened[path]))
-            errs = jax.vmap(lambda a, b, r, fi: jnp.stack([
-                frame_errors(a, r, route_frame, fi, route_adam_eps)[0],
-                *frame_errors(b, r, route_frame, fi, route_adam_eps)]))(
-                    lay.to_matrix(euclid[path]).astype(jnp.float32), back, exact, f)
-            e = errs.T  # (3, B): [err²(Euclidean), err²(whitened), ref²]
-            use[path] = e[1] < e[0]
-            err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
-        return state._replace(use_whitening=use, route_error=err)
-
-    def measured_coverage(state, sel, sums):
-        """This ordinary step's coverage per matrix from the callers' local sample sums
-        ``{path: lead + (2,)}`` (layers with a basis; the others keep 1), pmean'd."""
-        bases = coverage_bases(state)
-        if not bases:  # no layer's factor has a basis: nothing can go stale
-            return state.coverage
-        if sums is None:
-            raise ValueError(
-                "gift: track_coverage=True needs gift_coverage={path: [Σ‖BᵀSx‖², Σ‖Sx‖²]} on "
-                "ordinary steps (gift_jax.whitening.capture.with_input_coverage with "
-                "coverage_bases(state))")
-        sums = check_stats("gift_coverage", sums, {p: sel[p].batch_shape + (2,) for p in bases})
-        cov = dict(state.coverage)
-        for path, v in sums.items():
-            v = pmean(jnp.asarray(v, jnp.float32).reshape(-1, 2), axis_name)
-            cov[path] = v[:, 0] / jnp.maximum(v[:, 1], 1e-30)
-        return cov
-
-    def update_fn(
-        updates, state, params=None, *, gift_stats=None, gift_output_stats=None,
-        gift_projection=None, gift_coverage=None, gift_route_updates=None, **extra_args,
-    ):
-        require_per_device(updates, comm_axis, "gift_jax.gift")
-        sel = select_layers(updates, layers, dimension_numbers)
-        if gift_coverage is not None and (gift_stats is not None or not track_coverage):
-            raise ValueError("gift: gift_coverage is for the ordinary steps of a "
-                             "gift(track_coverage=True) stage (refreshes take gift_stats)")
-        if gift_stats is not None:
-            old_factors, old_use = state.factors, state.use_whitening or None
-            state = refresh(state, sel, gift_stats, gift_output_stats, gift_projection)
-            if routing:
-                state = route(updates if gift_route_updates is None else gift_route_updates,
-                              sel, state)
-            new_use = state.use_whitening or None
-            # error feedback: from the old frame (W₁ where it was whitened, else I) to the new
-            change = lambda t, old=old_factors, new=state.factors: transform(
-                transform(t, sel, old, wh.unwhiten, old_use), sel, new, wh.whiten, new_use)
-            moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
-            state = state._replace(inner_state=reframe_error_feedback(
-                state.inner_state, reduce_stage, updates, change, moved))
-        elif (gift_output_stats is not None or gift_projection is not None
-              or gift_route_updates is not None):
-            raise ValueError("gift: gift_output_stats/gift_projection/gift_route_updates need "
-                             "gift_stats")
-        else:
-            state = state._replace(count=state.count + 1)
-            if track_coverage:
-                state = state._replace(coverage=measured_coverage(state, sel, gift_coverage))
-        use = state.use_whitening or None
-        whitened = transform(updates, sel, state.factors, wh.whiten, use)
-        reduced, inner_state = inner.update(whitened, state.inner_state, params, **extra_args)
-        out = transform(reduced, sel, state.factors, wh.unwhiten, use)
-        return out, state._replace(inner_state=inner_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    s = Settings.build(
+        inner, layers, rank=rank, factor=factor, damping=damping, ema=ema,
+        damping_mode=damping_mode, axis_name=axis_name, sqrt=sqrt, block_size=block_size,
+        eig_method=eig_method, eig_iters=eig_iters, eig_oversample=eig_oversample,
+        dimension_numbers=dimension_numbers, two_sided=two_sided,
+        distribute_refresh=distribute_refresh, seed=seed, route_frame=route_frame,
+        route_adam_eps=route_adam_eps, track_coverage=track_coverage)
+    return optax.GradientTransformationExtraArgs(functools.partial(init_state, s),
+                                                 functools.partial(update, s))

@@ -37,7 +37,7 @@ import optax
 
 from gift_jax.lowrank import mask_excluding, plumage, refresh_due
 from gift_jax.lowrank.views import resolve_layouts
-from gift_jax.models import LlamaConfig, param_shapes
+from gift_jax.models import LlamaConfig, model_config_of, param_shapes
 from gift_jax.training.config import complete_config, load_config, set_fields
 from gift_jax.training.loop import Trainer
 from gift_jax.training.optim import learning_rate_schedule
@@ -526,7 +526,7 @@ def state_memory_table(config_paths: Sequence[str]) -> list[dict]:
     rows = []
     for path in config_paths:
         cfg = load_config(path)
-        mc = LlamaConfig.from_mapping(dict(cfg.model))
+        mc = model_config_of(cfg.model)
         shapes = param_shapes(mc)
         rank, tau = cfg.plumage.rank, cfg.plumage.refresh_every
         proj = projection_table(shapes, rank)

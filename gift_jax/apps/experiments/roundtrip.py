@@ -70,7 +70,7 @@ from flax import nnx
 
 from gift_jax import whitening as wh
 from gift_jax.comm.codecs import abs_max, decode_rows, encode_rows, get_codec, leaf_scale_from_amax
-from gift_jax.models.llama import LlamaConfig, next_token_loss
+from gift_jax.models import model_config_of, next_token_loss
 from gift_jax.training.config import complete_config
 from gift_jax.training.loop import Trainer as TrainingRun
 from gift_jax.utils.linalg import map_matrices
@@ -139,7 +139,7 @@ class Trainer:
             if data:
                 config.data.source = data
         self.config = config
-        self.model_config = LlamaConfig.from_mapping(config.model)
+        self.model_config = model_config_of(config.model)
         self.seq_len = int(config.train.seq_len)
         self.global_batch = int(config.train.global_batch_size)
         self.run = TrainingRun(config, workdir=None)

@@ -18,8 +18,9 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_training import (
+from trainer_kit import (
     FAST,
+    assert_replicas_identical,
     assert_trees_equal,
     run,
     small_config,
@@ -41,7 +42,7 @@ from gift_jax.training.program import program_for
 from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout, param_specs
 from gift_jax.training.step import loss_for, replica_map
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHAPES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 
 
@@ -239,20 +240,9 @@ def test_low_precision_replicas_stay_identical_on_a_sharded_mesh(mode, extra):
         trainer = Trainer(config, batches=synthetic_batches, compiler_options=FAST)
         trainer.run(6)
         losses[shape] = [h["loss"] for h in trainer.history if "loss" in h]
-        _assert_replicas_identical(trainer.params)
+        assert_replicas_identical(trainer.params)
         trainer.finish()
     np.testing.assert_allclose(losses[(2, 2, 2)], losses[(8, 1, 1)], atol=0.05)
-
-
-def _assert_replicas_identical(params):
-    """Every data replica holds bit-identical copies of each shard."""
-    for leaf in jax.tree.leaves(params):
-        by_index = {}
-        for s in leaf.addressable_shards:
-            by_index.setdefault(str(s.index), []).append(np.asarray(s.data))
-        for copies in by_index.values():
-            for c in copies[1:]:
-                np.testing.assert_array_equal(c.view(np.uint8), copies[0].view(np.uint8))
 
 
 @pytest.mark.slow
@@ -278,7 +268,7 @@ def test_hierarchical_reduction_on_a_sharded_mesh(mode):
             assert ops and all(set(op.dtypes) == {"u8"} for op in ops), report.table()
         trainer.run(4)
         losses[intra] = [h["loss"] for h in trainer.history if "loss" in h]
-        _assert_replicas_identical(trainer.params)
+        assert_replicas_identical(trainer.params)
         trainer.finish()
     if mode == "fp32":
         np.testing.assert_allclose(losses[2], losses[1], rtol=2e-5)

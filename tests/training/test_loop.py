@@ -3,34 +3,65 @@ only train steps, skipped steps that are shown and stop a stalled run, strict/au
 resuming a finished run, the window length of every record (also at an interrupt), the
 ``Trainer`` object the experiments drive, and ``scripts/train.py --stop_after``.
 
-The small config and synthetic batches are those of ``test_training.py``.
+Also every communication mode and optimizer end to end, loss going down with eval and outputs,
+2 processes × 4 devices == 1 process × 8 devices, and PLUMAGE + GIFT. The small config and
+synthetic batches are ``trainer_kit``'s.
 """
 
+# ruff: noqa: E402  (a worker process sets its devices before JAX is imported)
+import os
+import sys
+
+_WORKER = __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker"
+if _WORKER:  # a process of the multi-process test: 4 CPU devices, gloo collectives
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from gift_jax.utils.cpu_devices import avoid_cpu_dot_crash
+
+    avoid_cpu_dot_crash()  # the same XLA:CPU dot emitters as the test process (conftest)
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
+import subprocess
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import (
+from trainer_kit import (
     FAST,
     ROOT,
+    SMOKE,
+    STEPS,
+    assert_replicas_identical,
     assert_trees_equal,
     run,
     small_config,
     synthetic_batches,
 )
 
-from gift_jax.training import ConfigError, Trainer, TrainingStalledError
+import gift_jax as gj
+from gift_jax.training import (
+    ConfigError,
+    Trainer,
+    TrainingStalledError,
+    build_optimizer,
+    complete_config,
+    make_mesh,
+    validate_config,
+)
 from gift_jax.training.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
     NoIntactCheckpointError,
 )
+from gift_jax.training.program import program_for
 
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
@@ -276,3 +307,204 @@ def test_extending_a_finished_run_keeps_or_stretches_the_schedule(tmp_path, capl
     with pytest.raises(ConfigError, match=r"train\.extend_schedule='later' is not supported; "
                        "allowed: keep, stretch"):
         run(_with(longer, train__extend_schedule="later"), str(tmp_path / "keep"), resume=True)
+
+
+# ---- every mode end to end, several processes, PLUMAGE + GIFT ---------------------------------
+
+
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_smoke_every_mode(name):
+    mode, optimizer, overrides = SMOKE[name]
+    config = small_config(mode, optimizer, **overrides)
+    result = run(config, stop_after=4)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert result.step == 4 and len(losses) == 2 and all(np.isfinite(losses))
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    program = program_for(complete_config(config), make_mesh(config.mesh.intra_size), FAST)
+    # one compile per variant: carried state never changes sharding between steps/variants
+    assert program.step.compile_count == len(program.step.variants())
+    assert len(program.step.variants()) == (2 if mode in ("gift_fp8", "plumage") else 1)
+    if config.comm.error_feedback:  # per-device buffers are sharded over the data axis
+        res = [s.residuals for s in jax.tree.leaves(
+            result.opt_state, is_leaf=lambda x: isinstance(x, gj.AllReduceState))
+            if isinstance(s, gj.AllReduceState)]
+        leaf = jax.tree.leaves(res)[0]
+        assert leaf.shape[0] == 8 and leaf.sharding.spec[0] == "data"
+
+
+def test_loss_goes_down_with_eval_and_outputs(tmp_path):
+    config = small_config("fp8", "adamw", **SMOKE["fp8_block_sr_ef"][2])
+    with config.unlocked():
+        config.train.eval_every = 12
+        config.train.diagnostics_every = 12
+    result = run(config, str(tmp_path))
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0], losses
+    evals = [h["eval/loss"] for h in result.history if "eval/loss" in h]
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    diag = [r for r in records if "wire/bytes_per_step_ordinary" in r]
+    assert diag and 0 < diag[0]["wire/bytes_per_step_ordinary"] < diag[0]["wire/fp32_reference"]
+    assert 0 < diag[0]["fidelity/relative_l2"] < 0.2
+    assert list((tmp_path / "tensorboard").iterdir())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["tokens_per_s"] > 0
+
+
+MP_OVERRIDES = SMOKE["fp8_block_sr_ef"][2]  # per-device EF buffers, SR keys, block scales
+
+
+MP_STEPS = 3
+
+
+def _assembled(x) -> np.ndarray:
+    """The whole of ``x`` from this process's shards (it holds a full copy: parameters are
+    replicated over ``data``, and each process holds whole replicas)."""
+    out = np.zeros(x.shape, x.dtype)
+    for s in x.addressable_shards:
+        out[s.index] = np.asarray(s.data)
+    return out
+
+
+#: Multi-process meshes: pure data parallelism, and (data=2 across the processes, fsdp=2,
+#: tensor=2) — each process holds one replica, split over its 4 devices; "stream": pure data
+#: parallelism on the bundled corpus through the streaming pipeline (each process reads the
+#: documents of its own rows), checkpointed (the processes' data positions gathered).
+MP_MESHES = {"data": {}, "sharded": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+             "stream": {"data.pipeline": "stream", "data.workers": 0,
+                        "train.checkpoint_every": MP_STEPS}}
+
+
+def _mp_run(mesh: str, workdir: str | None):
+    config = small_config("fp8", "adamw", **MP_OVERRIDES, **MP_MESHES[mesh])
+    if mesh != "stream":
+        return run(config, stop_after=MP_STEPS)
+    return run(config, workdir, stop_after=MP_STEPS, batches=None)
+
+
+def _data_state(workdir: str):
+    path = os.path.join(workdir, "checkpoints", str(MP_STEPS), "meta", "metadata")
+    with open(path) as f:
+        return json.load(f)["data_state"]
+
+
+def _worker(port: int, process_id: int, out: str, mesh: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from gift_jax.training import initialize_distributed
+
+    initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    result = _mp_run(mesh, out + ".run")
+    if process_id == 0:
+        flat = {str(i): _assembled(x) for i, x in enumerate(jax.tree.leaves(result.params))}
+        np.savez(out, losses=[h["loss"] for h in result.history if "loss" in h], **flat)
+    jax.distributed.shutdown()
+
+
+@pytest.mark.parametrize("mesh", list(MP_MESHES))
+def test_two_processes_match_one_process(tmp_path, mesh):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "mp.npz")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(port), str(i), out, mesh],
+                              env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    single = _mp_run(mesh, str(tmp_path / "single"))
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    got = np.load(out)
+    losses = [h["loss"] for h in single.history if "loss" in h]
+    # the logged loss is a pmean (gloo sums in another order); the parameters: bit for bit,
+    # so each process fed exactly its rows (the batch iterator's process slice)
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-6)
+    for i, leaf in enumerate(jax.tree.leaves(single.params)):
+        np.testing.assert_array_equal(got[str(i)], np.asarray(leaf))
+    if mesh == "stream":  # both processes' lanes, in one global position
+        assert _data_state(out + ".run") == _data_state(str(tmp_path / "single"))
+
+
+
+if _WORKER:
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+@pytest.mark.parametrize("route", ["off", "optimizer"])
+def test_plumage_with_gift_whitening_runs_replica_identical(route):
+    config = small_config("plumage", "adamw", **{"plumage.gift": True,
+                                                 "comm.error_feedback": True,
+                                                 "gift.layers": ("*/mlp/down_proj",),
+                                                 "gift.route_frame": route})
+    result = run(config, stop_after=4)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert result.step == 4 and all(np.isfinite(losses))
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    gifts = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, gj.GiftState)) if isinstance(s, gj.GiftState)]
+    assert len(gifts) == 1 and int(gifts[0].refreshes) == 2  # PLUMAGE refreshes at 0 and 2
+    if route != "off":  # routed on the step's coordinates (zeros would give errors of 0)
+        err = np.asarray(gifts[0].route_error["layers/0/mlp/down_proj/kernel"])
+        assert err.shape == (2, 1) and (err > 0).all() and np.isfinite(err).all()
+        assert gifts[0].use_whitening["layers/0/mlp/down_proj/kernel"].shape == (1,)
+
+
+def test_plumage_warns_once_when_no_leaf_is_projected(caplog):
+    params = {"layers": {"0": {"mlp": {"down_proj": {"kernel": jnp.zeros((64, 32))}},
+                               "attn": {"q_proj": {"kernel": jnp.zeros((32, 48))}}}},
+              "embed": {"embedding": jnp.zeros((50, 32))}}
+    warnings = lambda: [r.getMessage() for r in caplog.records
+                        if "projects NO parameter" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="gift_jax.training"):
+        tx = build_optimizer(small_config("plumage", "adamw", **{"plumage.rank": 32}),
+                             ("data",)).tx
+        jax.eval_shape(tx.init, params)
+        jax.eval_shape(tx.init, params)
+        assert len(warnings()) == 1
+        assert "plumage.rank=32" in warnings()[0] and "smallest: 32" in warnings()[0]
+        caplog.clear()
+        jax.eval_shape(build_optimizer(small_config("plumage", "adamw"), ("data",)).tx.init,
+                       params)  # rank 4 projects both kernels
+        assert not warnings()
+
+
+def test_trainer_two_sided_gift_replicas_identical():
+    """gift.two_sided: the refresh variant captures A and B (gift_jax.whitening.capture.
+    kfac_value_and_grad, also under gradient accumulation) and GIFT whitens both sides."""
+    from gift_jax.whitening.stage import GiftState
+
+    config = small_config("gift_fp8", **{
+        "train.grad_accum_steps": 2, "gift.two_sided": True,
+        "gift.layers": ("*/mlp/down_proj", "*/attn/o_proj")})
+    result = run(config, stop_after=3)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert result.step == 3 and all(np.isfinite(losses))
+    assert result.summary["skipped_steps"] == 0
+    assert_replicas_identical(result.params)
+    (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
+        x, GiftState)) if isinstance(s, GiftState)]
+    assert int(gs.refreshes) == 2 and int(gs.identity_fallbacks) == 0  # steps 0 and 2
+    assert sorted(gs.out_stats) == ["layers/0/attn/o_proj/kernel",
+                                    "layers/0/mlp/down_proj/kernel"]
+    for b in gs.out_stats.values():
+        assert b.shape == (1, 32, 32) and float(jnp.trace(b[0])) > 0
+    with pytest.raises(ConfigError, match=r"gift\.two_sided='yes' must be a bool"):
+        validate_config(small_config("gift_fp8", **{"gift.two_sided": "yes"}), 8)
+
+
+def test_step_times_interleaved_rows():
+    """gift_jax.apps.step_timing (scripts/bench_step.py): one row per config, refresh times only
+    for configs with a refresh variant, all positive."""
+    from gift_jax.apps.step_timing import step_times
+
+    configs = {"fp8": small_config("fp8"), "gift_fp8": small_config("gift_fp8")}
+    rows = step_times(configs, make_mesh(), repeats=2, refresh_repeats=1, compiler_options=FAST)
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"fp8", "gift_fp8"}
+    assert by["fp8"]["refresh_best"] is None and by["gift_fp8"]["refresh_every"] == 2
+    for r in rows:
+        assert 0 < r["ordinary_best"] <= r["ordinary_median"]
+    assert by["gift_fp8"]["refresh_best"] > 0
+

@@ -2,7 +2,8 @@
 it and the allowed range, ``gift.layers`` and ``model.*`` checked before anything is written,
 the one-device warning, and the one-line endings of ``scripts/train.py``.
 
-Nothing here compiles a train step (the end-to-end runs are in ``test_training.py``)."""
+Also: settings the trainer itself refuses (end to end, marked slow), and the former ``comm.mode``
+vocabulary translated into ``comm.codec`` + ``comm.method``."""
 
 import logging
 import os
@@ -12,15 +13,22 @@ import subprocess
 import sys
 
 import pytest
+from trainer_kit import MODES, legacy_config, small_config
 
-from gift_jax.training import ConfigError, apply_overrides, complete_config, validate_config
+from gift_jax.training import (
+    ConfigError,
+    apply_overrides,
+    build_optimizer,
+    complete_config,
+    validate_config,
+)
 from gift_jax.training.config import (
     load_config,
     nothing_to_communicate,
     validate_layer_patterns,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.py")
 
 
@@ -193,3 +201,130 @@ def test_train_script_simulates_cpu_devices_unless_told_otherwise():
     assert "Unable to initialize backend" not in err
     err = _script_stderr("--cpu_devices", "3")
     assert "data-parallel size 3 (number of devices)" in err
+
+
+# ---- settings checked by the trainer, and the former comm.mode -------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"train.global_batch_size": 12}, r"train\.global_batch_size=12 must be divisible by "
+                                        r"the data-parallel size 8"),
+     ({"comm.method": "int4"}, r"comm\.method='int4' is not supported; allowed: none, gift, "
+                               r"plumage"),
+     ({"optimizer.name": "sgd"}, r"optimizer\.name='sgd' is not supported; allowed: adamw"),
+     ({"comm.codec": "fp6"}, r"comm\.codec='fp6' is not supported; allowed: fp32, bf16, "
+                             r"fp8_e4m3, fp8_e5m2, mxfp8, nvfp4"),
+     ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),
+     ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide"),
+     ({"data.pipeline": "tfdata"}, r"data\.pipeline='tfdata' is not supported; allowed: "
+                                   r"grid, stream"),
+     ({"data.workers": -2}, r"data\.workers=-2 must be an int >= -1 \(-1: the host's cores"),
+     ({"data.pipeline": "stream", "data.id_cache": "gs://bucket/ids"},
+      r"data\.id_cache='gs://bucket/ids' must be a local directory or ''"),
+     ({"data.id_cache": "/tmp/ids"}, r"data\.id_cache='/tmp/ids' needs data\.pipeline='stream'"),
+     ({"comm.method": "gift", "gift.eig_method": "qr"},
+      r"gift\.eig_method='qr' is not supported; allowed: eigh, subspace")],
+)
+def test_bad_settings_name_the_setting(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(small_config(**overrides), 8)
+
+
+@pytest.mark.slow
+def test_overrides_and_script_errors(capsys, tmp_path):
+    config = complete_config(small_config())
+    out = apply_overrides(config, [("comm.method", "gift"), ("train.num_steps", "7"),
+                                   ("comm.error_feedback", "true"), ("gift.layers",
+                                                                     "('*/mlp/up_proj',)")])
+    assert (out.comm.method, out.train.num_steps, out.comm.error_feedback) == ("gift", 7, True)
+    assert out.gift.layers == ("*/mlp/up_proj",)
+    with pytest.raises(ConfigError, match="unknown config field 'comm.moode'"):
+        apply_overrides(config, [("comm.moode", "fp8")])
+    with pytest.raises(ConfigError, match=r"--config.train.num_steps='x': expected an int"):
+        apply_overrides(config, [("train.num_steps", "x")])
+    script = runpy.run_path(str(ROOT / "scripts" / "train.py"))
+    for args, needle in [
+        (["--config.comm.moode=fp8"], "unknown config field 'comm.moode'"),
+        (["--config.comm.method=int4"], "comm.method='int4' is not supported"),
+        (["--config.comm.mode=gift_fp8"], "comm.mode was replaced by comm.codec"),
+        (["--config.train.global_batch_size=12"], "train.global_batch_size=12"),
+    ]:
+        rc = script["main"](["--config", str(ROOT / "configs" / "tiny.py"),
+                             "--workdir", str(tmp_path), *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides,match",
+    [({"plumage.gift": "yes"}, r"plumage\.gift='yes' must be a bool"),
+     ({"plumage.gift": True, "gift.two_sided": True},
+      r"gift\.two_sided=True cannot be combined with plumage\.gift=True"),
+     ({"plumage.gift": True, "gift.remainder": "full"},
+      r"gift\.remainder='full' is not supported"),
+     ({"plumage.gift": True, "gift.route_frame": "sideways"},
+      r"gift\.route_frame='sideways' is not supported"),
+     ({"plumage.gift": True, "gift.refresh": "adaptive"},
+      r"gift\.refresh='adaptive' cannot be combined with plumage\.gift=True")],
+)
+def test_plumage_gift_bad_settings_name_the_setting(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_config(small_config("plumage", "adamw", **overrides), 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_former_mode_translates(mode):
+    """A config file and a checkpoint carrying the former comm.mode become exactly the
+    (comm.codec, comm.method) pair, and build the same plan."""
+    from gift_jax.training.config import config_differences, to_json
+
+    new = small_config(mode, **({"comm.codec": "fp8_e5m2"} if mode == "gift_fp8" else {}))
+    old = legacy_config(new)
+    assert "mode" in old.comm and "method" not in old.comm
+    translated = complete_config(old)
+    assert (translated.comm.codec, translated.comm.method) == (new.comm.codec, new.comm.method)
+    assert to_json(translated) == to_json(new)
+    assert config_differences(to_json(old), new) == []  # an old checkpoint resumes
+    plan = build_optimizer(translated, ("data",)).plan
+    assert (plan.name, plan.codec) == (new.comm.method, new.comm.codec)
+    assert plan.variants() == ((False, True) if mode in ("gift_fp8", "plumage") else (False,))
+
+
+@pytest.mark.slow
+def test_former_mode_override_and_conflicts_name_the_new_settings():
+    config = small_config()
+    with pytest.raises(ConfigError, match=r"comm\.mode='gift_fp8': comm\.mode was replaced by "
+                                          r"comm\.codec \(fp32, bf16, .*\) and comm\.method "
+                                          r"\(none, gift, plumage\).*gift_fp8 = comm\.codec="):
+        apply_overrides(config, [("comm.mode", "gift_fp8")])
+    both = legacy_config(config)
+    with both.unlocked():
+        both.comm.method = "gift"
+    with pytest.raises(ConfigError, match="comm.mode and comm.method are both set"):
+        complete_config(both)
+    unknown = legacy_config(config)
+    with unknown.unlocked():
+        unknown.comm.mode = "int4"
+    with pytest.raises(ConfigError, match=r"comm\.mode='int4' is not supported: comm\.mode was "
+                                          r"replaced by comm\.codec"):
+        complete_config(unknown)
+
+
+@pytest.mark.slow
+def test_load_config_names_missing_files_and_missing_get_config(tmp_path):
+    from gift_jax.training.config import ConfigError, load_config
+
+    configs = ROOT / "configs"
+    by_name, by_path = load_config("tiny", configs), load_config(configs / "tiny.py")
+    assert by_name.to_dict() == by_path.to_dict()
+    with pytest.raises(ConfigError, match="'nope': no such file"):
+        load_config("nope", configs)
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="bad.py' defines no get_config"):
+        load_config(bad)
+

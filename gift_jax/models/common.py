@@ -1,0 +1,421 @@
+"""What every decoder family of :mod:`gift_jax.models` shares, and the :class:`ModelSpec` the
+trainer reads a family through.
+
+The trainer knows a model only by its spec: how to build it from its config, the shapes and
+logical axis names of its parameters (for the sharding rules of
+:mod:`gift_jax.training.sharding`) and its loss. A family is one module (``llama.py``,
+``gpt.py``) holding a frozen config dataclass, an ``nnx.Module`` and a ``SPEC``; the registry
+in :mod:`gift_jax.models` maps ``model.family`` to it.
+
+A family's config must have the fields the trainer sets or reads: ``vocab_size``,
+``max_seq_len``, ``num_heads`` and ``kv_heads`` (the sharding check that tensor parallelism
+splits whole heads), ``scan_layers``, ``embed_lookup`` and ``activation_axes`` (see
+:class:`gift_jax.models.llama.LlamaConfig`); the model is called as ``model(tokens)`` →
+logits. Parameter paths follow one naming, so that the default layer patterns of GIFT
+(``*/mlp/down_proj``), PLUMAGE (``*/attn/*_proj``, ``*/mlp/*_proj``) and Muon's dense
+exclusions (``embed/*``, ``lm_head/*``) select the same roles in every family.
+
+Pieces shared here: the logical-axis metadata key, dtype names, the field checks common to
+the configs, sharding constraints, the causal attention implementations (reference, jax,
+Pallas/cuDNN flash), the block stack (unrolled or ``nnx.scan``-ned, rematerialised or not)
+and the next-token loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gift_jax.utils.platform import non_manual_axes, target_device
+
+__all__ = [
+    "LOGICAL_AXES",
+    "REMAT_POLICIES",
+    "ModelSpec",
+    "apply_blocks",
+    "causal_attention",
+    "check_decoder_fields",
+    "constrain",
+    "dense",
+    "embed_tokens",
+    "next_token_loss",
+    "stacked_blocks",
+]
+
+#: Metadata key of every parameter's logical axis names (one per dimension): ``vocab``,
+#: ``embed`` (d_model), ``heads`` (query heads × head_dim), ``kv_heads`` (key/value heads ×
+#: head_dim), ``mlp`` (d_ff), ``norm`` (a norm gain or bias), ``positions`` (a learned position
+#: table's rows). A rule table maps them to mesh axes (:mod:`gift_jax.training.sharding`); a
+#: custom key, not Flax's ``sharding`` metadata, so that building the model needs no mesh in
+#: context.
+LOGICAL_AXES = "logical_axes"
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLS = ("reference", "jax", "flash")
+EMBED_LOOKUPS = ("gather", "one_hot")
+#: ``remat_policy`` values: the policies (not policy factories) of ``jax.checkpoint_policies``.
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "everything_saveable")
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _dtype_name(value: Any, owner: str, field: str) -> str:
+    """Normalises a dtype given as a name or a dtype object to one of ``DTYPES``' names."""
+    try:
+        name = jnp.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"{owner}.{field} must be one of {sorted(DTYPES)}, got {value!r}.")
+    return name
+
+
+def check_decoder_fields(cfg: Any, *, positive_ints: Sequence[str],
+                         positive_reals: Sequence[str], bools: Sequence[str]) -> None:
+    """Checks and normalises (in place, on a frozen dataclass) the fields every decoder config
+    has: positive sizes, ``num_heads`` dividing ``d_model``, positive reals, bools,
+    ``remat_policy``, ``embed_lookup``, ``attention_impl``, ``dtype``/``param_dtype`` names and
+    ``activation_axes`` pairs.
+
+    Args:
+      cfg: the config dataclass instance (its class name prefixes every message).
+      positive_ints, positive_reals, bools: the fields of each kind.
+
+    Raises:
+      ValueError: ``"<Config>.<field> must be …, got …"`` for the first bad field.
+    """
+    owner = type(cfg).__name__
+    put = lambda field, value: object.__setattr__(cfg, field, value)
+    for field in positive_ints:
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}.")
+        put(field, int(value))
+    if cfg.d_model % cfg.num_heads:
+        raise ValueError(f"{owner}.num_heads must divide d_model={cfg.d_model}, got "
+                         f"num_heads={cfg.num_heads}.")
+    for field in positive_reals:
+        value = getattr(cfg, field)
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{owner}.{field} must be a positive number, got {value!r}.")
+        put(field, float(value))
+    if cfg.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"{owner}.remat_policy must be one of {REMAT_POLICIES}, got "
+                         f"{cfg.remat_policy!r}.")
+    for field in bools:
+        if not isinstance(getattr(cfg, field), bool):
+            raise ValueError(f"{owner}.{field} must be a bool, got {getattr(cfg, field)!r}.")
+    put("activation_axes", tuple((str(k), str(v)) for k, v in cfg.activation_axes))
+    if cfg.embed_lookup not in EMBED_LOOKUPS:
+        raise ValueError(f"{owner}.embed_lookup must be one of {EMBED_LOOKUPS}, got "
+                         f"{cfg.embed_lookup!r}.")
+    if cfg.attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"{owner}.attention_impl must be one of {ATTENTION_IMPLS}, got "
+                         f"{cfg.attention_impl!r}.")
+    put("dtype", _dtype_name(cfg.dtype, owner, "dtype"))
+    put("param_dtype", _dtype_name(cfg.param_dtype, owner, "param_dtype"))
+
+
+def config_from_mapping(cls: type, mapping: Mapping[str, Any]) -> Any:
+    """``cls(**mapping)`` for a config dataclass; unknown keys raise ``ValueError`` (a typo
+    in a config file is not ignored), ``family`` among them: a run's ``model`` group goes
+    through :func:`gift_jax.models.model_config_of`, which checks it names this family."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields = dict(mapping)
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise ValueError(f"Unknown {cls.__name__} fields {unknown}; allowed: {sorted(names)}.")
+    return cls(**fields)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
+    """``x`` with its sharding constrained per ``cfg.activation_axes`` (one logical name or
+    ``None`` per dimension); the identity when the config sets none."""
+    if not cfg.activation_axes:
+        return x
+    rules = dict(cfg.activation_axes)
+    spec = jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str], *,
+          use_bias: bool = False, init_std: float | None = None) -> nnx.Linear:
+    """An ``nnx.Linear`` ``(d_in × d_out)`` in the config's dtypes, normal init of std
+    ``init_std`` (default ``cfg.init_std``), kernel logical axes ``axes`` and, with
+    ``use_bias``, a zero bias whose logical axis is the output's."""
+    extra = {"bias_metadata": {LOGICAL_AXES: (axes[1],)}} if use_bias else {}
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=use_bias,
+        dtype=jnp.dtype(DTYPES[cfg.dtype]),
+        param_dtype=jnp.dtype(DTYPES[cfg.param_dtype]),
+        kernel_init=nnx.initializers.normal(cfg.init_std if init_std is None else init_std),
+        rngs=rngs,
+        kernel_metadata={LOGICAL_AXES: axes},
+        **extra,
+    )
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: Any) -> jax.Array:
+    """Rows ``table[tokens]`` in the compute dtype: a gather, or with ``embed_lookup='one_hot'``
+    a one-hot matmul at full precision (the same values; partitions where the gather's
+    gradient does not, see :class:`~gift_jax.models.llama.LlamaConfig`)."""
+    compute = jnp.dtype(DTYPES[cfg.dtype])
+    if cfg.embed_lookup == "one_hot":
+        return jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
+                          table, precision=jax.lax.Precision.HIGHEST).astype(compute)
+    return jnp.take(table, tokens, axis=0).astype(compute)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``softmax(q kᵀ / √d + causal mask) v`` with grouped key/value heads, fp32 softmax.
+
+    Shapes: q ``(B, T, H, D)``; k, v ``(B, T, K, D)`` with ``K | H``; query head ``h`` reads
+    key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in q's dtype.
+    """
+    b, t, h, d = q.shape
+    groups = h // k.shape[2]
+    qg = q.reshape(b, t, k.shape[2], groups, d)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> jax.Array:
+    """jax's Pallas TPU flash attention (``pallas.ops.tpu.flash_attention``, causal, fp32
+    online softmax) on ``(B, T, H, D)`` arrays; grouped key/value heads are repeated to the
+    query heads. A Mosaic kernel cannot be partitioned by GSPMD, so where mesh axes are not
+    manual (the sharded trainer's ``fsdp``/``tensor``) it runs in a ``shard_map`` over them,
+    rows split as ``activation_axes['batch']`` and heads as ``activation_axes['heads']``."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    _, t, h, d = q.shape
+    groups = h // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    blk = min(128, t)
+    sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1,
+                          block_q_major_dkv=blk, block_k_major_dkv=blk, block_k_dkv=blk,
+                          block_q_dkv=blk, block_k_major_dq=blk, block_k_dq=blk, block_q_dq=blk)
+    kernel = lambda q_, k_, v_: fa.flash_attention(q_, k_, v_, causal=True,
+                                                   sm_scale=1.0 / math.sqrt(d),
+                                                   block_sizes=sizes)
+    axes = non_manual_axes(min_size=1)
+    if axes:
+        rules = dict(cfg.activation_axes)
+        split = lambda name: rules.get(name) if rules.get(name) in axes else None
+        spec = jax.sharding.PartitionSpec(split("batch"), split("heads"), None, None)
+        kernel = jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(),
+                               in_specs=(spec,) * 3, out_specs=spec, axis_names=set(axes),
+                               check_vma=False)
+    to_bhtd = lambda x: x.transpose(0, 2, 1, 3)
+    return to_bhtd(kernel(to_bhtd(q), to_bhtd(k), to_bhtd(v)))
+
+
+def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> jax.Array:
+    """Flash attention where it lowers, chosen by the lowering target
+    (:func:`gift_jax.utils.platform.target_device`, not this host): the Pallas TPU kernel on
+    TPU, ``jax.nn.dot_product_attention`` with cuDNN on GPU (bf16/fp16; XLA for fp32), the
+    reference elsewhere. Shapes as :func:`causal_attention_reference`."""
+    platform, _ = target_device()
+    if platform == "tpu":
+        return _tpu_flash_attention(q, k, v, cfg)
+    if platform == "gpu":
+        cudnn = q.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation="cudnn" if cudnn else None)
+    return causal_attention_reference(q, k, v)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> jax.Array:
+    """Causal attention by ``cfg.attention_impl``: ``'reference'``
+    (:func:`causal_attention_reference`), ``'jax'`` (``jax.nn.dot_product_attention``) or
+    ``'flash'`` (:func:`causal_attention_flash`). Shapes as the reference's."""
+    if cfg.attention_impl == "jax":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if cfg.attention_impl == "flash":
+        return causal_attention_flash(q, k, v, cfg)
+    return causal_attention_reference(q, k, v)
+
+
+# ----------------------------------------------------------------------------- block stack
+
+
+def _block_forward(block: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:
+    return block(x, *args)
+
+
+def _forward_fn(cfg: Any) -> Callable:
+    """``(block, x, *args) → x`` for one block, rematerialised per ``cfg.remat``."""
+    if not cfg.remat:
+        return _block_forward
+    return nnx.remat(_block_forward, policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
+
+
+def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], cfg: Any,
+                   rngs: nnx.Rngs) -> nnx.Module | nnx.List:
+    """``cfg.num_layers`` blocks built by ``make_block(rngs)``: an ``nnx.List`` of blocks, or
+    with ``cfg.scan_layers`` one block whose parameters are stacked on axis 0 (``nnx.vmap``
+    over split rngs, maxtext's layout)."""
+    if not cfg.scan_layers:
+        return nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> nnx.Module:
+        return make_block(rngs)
+
+    return make(rngs)
+
+
+def apply_blocks(layers: nnx.Module | nnx.List, x: jax.Array, cfg: Any,
+                 *args: Any) -> jax.Array:
+    """``x`` through the blocks of :func:`stacked_blocks` in order, each called as
+    ``block(x, *args)``: a Python loop, or ``nnx.scan`` over the stacked layer axis."""
+    forward = _forward_fn(cfg)
+    if not cfg.scan_layers:
+        for block in layers:
+            x = forward(block, x, *args)
+        return x
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block: nnx.Module, h: jax.Array) -> jax.Array:
+        return forward(block, h, *args)
+
+    return body(layers, x)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def next_token_loss(model: nnx.Module, tokens: jax.Array, mask: jax.Array | None = None,
+                    one_hot: bool = False) -> jax.Array:
+    """Mean next-token cross-entropy, ``−mean_t log softmax(logits_t)[tokens_{t+1}]``.
+
+    The model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; logits are upcast to
+    fp32 before the log-softmax.
+
+    Args:
+      model: a decoder called as ``model(tokens) → logits`` (any family of
+        :mod:`gift_jax.models`).
+      tokens: int ``(batch, seq + 1)``.
+      mask: optional ``(batch, seq)`` weights of the *targets* ``tokens[:, 1:]`` (e.g. 0 on
+        padding); the loss is then ``Σ mask·ce / Σ mask``.
+      one_hot: take the target's logit by a one-hot contraction instead of a gather (the same
+        loss up to the last bits): it partitions when the vocabulary dimension is split over a
+        mesh axis, where a gather along it crashes XLA's SPMD partitioner (jax 0.10–0.12) if
+        the rows are split too. The sharded train step uses it.
+
+    Returns:
+      A scalar fp32 loss.
+    """
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    if one_hot:
+        target = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=jnp.float32)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * target, axis=-1)
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if mask is None:
+        return jnp.mean(ce)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model family as the trainer sees it.
+
+    Attributes:
+      family: the name ``model.family`` selects it by.
+      config_type: the family's frozen config dataclass (the fields of the ``model`` group).
+      module_type: the ``nnx.Module`` class, built as ``module_type(config, rngs=rngs)``.
+      count_params: ``config → number of parameters``, from the dimensions alone.
+      trainer_fields: config fields the trainer sets itself (not settings of a config file).
+    """
+
+    family: str
+    config_type: type
+    module_type: type
+    count_params: Callable[[Any], int]
+    trainer_fields: tuple[str, ...] = ("embed_lookup", "activation_axes")
+
+    def config(self, mapping: Mapping[str, Any]) -> Any:
+        """The family's config from a mapping (``config.model``); unknown keys raise
+        ``ValueError`` naming the allowed ones."""
+        return config_from_mapping(self.config_type,
+                                   {k: v for k, v in mapping.items() if k != "family"})
+
+    def defaults(self) -> dict[str, Any]:
+        """The ``model`` group of a config file at the config dataclass's defaults:
+        ``family`` and every field but :attr:`trainer_fields`."""
+        fields = {f.name: f.default for f in dataclasses.fields(self.config_type)
+                  if f.name not in self.trainer_fields}
+        return {"family": self.family, **fields}
+
+    def build(self, config: Any, *, rngs: nnx.Rngs) -> nnx.Module:
+        """The model with parameters initialised from ``rngs``."""
+        return self.module_type(config, rngs=rngs)
+
+    def abstract(self, config: Any) -> nnx.Module:
+        """The model with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``: no arrays)."""
+        return nnx.eval_shape(lambda: self.build(config, rngs=nnx.Rngs(0)))
+
+    def param_shapes(self, config: Any, *, flat: bool = False) -> dict:
+        """The parameters as ``jax.ShapeDtypeStruct`` leaves, without allocating any array.
+
+        Args:
+          config: the family's config.
+          flat: if False (default), a nested dict (``nnx.to_pure_dict`` of the ``nnx.Param``
+            state); if True, a flat dict keyed by ``'/'``-joined paths such as
+            ``'layers/3/mlp/down_proj/kernel'``.
+
+        Returns:
+          The nested or flat dict of shapes.
+        """
+        tree = nnx.to_pure_dict(nnx.state(self.abstract(config), nnx.Param))
+        if not flat:
+            return tree
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(k.key) for k in path): leaf for path, leaf in leaves}
+
+    def logical_axes(self, config: Any) -> dict[str, tuple[str, ...]]:
+        """``{path: logical axis names}`` of every parameter (paths as :meth:`param_shapes`
+        with ``flat=True``), read from the :data:`LOGICAL_AXES` metadata; a stacked layer
+        axis (``scan_layers``) is named ``layers``."""
+        out = {}
+        for path, variable in nnx.iter_graph(self.abstract(config)):
+            if isinstance(variable, nnx.Param):
+                names = tuple(variable.get_metadata()[LOGICAL_AXES])
+                stacked = len(variable.get_value().shape) - len(names)
+                out["/".join(str(k) for k in path)] = ("layers",) * stacked + names
+        return out
+
+    @staticmethod
+    def loss(model: nnx.Module, tokens: jax.Array, mask: jax.Array | None = None,
+             one_hot: bool = False) -> jax.Array:
+        """The training loss, :func:`next_token_loss`."""
+        return next_token_loss(model, tokens, mask, one_hot)

@@ -1,0 +1,54 @@
+"""The chain's pieces (:mod:`gift_jax.training.optim`): the learning-rate schedule's warmup and
+decay end points, a non-finite update skipped with the whole inner state kept (counted), the
+recorded norm, and the codec's block scaling taken from the codec itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gift_jax.comm.stage import allreduce_spec
+from gift_jax.training.config import set_fields
+from gift_jax.training.optim import (
+    allreduce_stage,
+    learning_rate_schedule,
+    record_grad_norm,
+    skip_nonfinite,
+)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+def test_schedule_warms_up_then_decays_to_the_final_rate(tiny_config, kind):
+    opt = set_fields(tiny_config, {"optimizer.schedule": kind, "optimizer.warmup_steps": 10,
+                                   "optimizer.learning_rate": 1e-2,
+                                   "optimizer.final_learning_rate": 1e-3}).optimizer
+    lr = learning_rate_schedule(opt, 110)
+    assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-3)
+    assert float(lr(10)) == pytest.approx(1e-2)
+    end = 1e-2 if kind == "constant" else 1e-3
+    assert float(lr(110)) == pytest.approx(end, rel=1e-5)
+    middle = float(lr(60))
+    assert middle == pytest.approx({"cosine": 5.5e-3, "linear": 5.5e-3, "constant": 1e-2}[kind],
+                                   rel=1e-4)
+
+
+def test_nonfinite_update_is_skipped_and_the_state_kept():
+    tx = skip_nonfinite(optax.chain(record_grad_norm(), optax.adam(0.1)))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    good, state = jax.jit(tx.update)({"w": jnp.array([1.0, 2.0, 2.0])}, state, params)
+    assert float(state.inner[0].norm) == 3.0 and int(state.skipped) == 0
+    bad, skipped = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan, 2.0])}, state, params)
+    assert not np.any(np.asarray(bad["w"])) and int(skipped.skipped) == 1
+    assert bool(skipped.last_skipped)
+    for a, b in zip(jax.tree.leaves(skipped.inner), jax.tree.leaves(state.inner), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # moments, count, norm
+
+
+@pytest.mark.parametrize("codec,block", [("fp8_e4m3", 64), ("bf16", None), ("int8", 64),
+                                         ("fp32", None)])
+def test_block_scaling_follows_the_codec(tiny_config, codec, block):
+    config = set_fields(tiny_config, {"comm.scaling": "block", "comm.block_size": 64})
+    spec = allreduce_spec(allreduce_stage(config, ("data",), codec))
+    assert getattr(spec.codec, "name", spec.codec) == codec and spec.block_size == block
