@@ -227,7 +227,7 @@ def test_config_route_frame_validated_and_resolved_to_the_optimizer():
     from trainer_kit import small_config
 
     from gift_jax.training.config import ConfigError, validate_config
-    from gift_jax.training.method import route_frame
+    from gift_jax.training.recipe import route_frame
 
     with pytest.raises(ConfigError, match=r"^gift\.route_frame='sgd' is not supported; allowed: "
                                           r"off, euclidean, whitened, adam, muon, optimizer$"):

@@ -123,16 +123,15 @@ def test_trainer_quantizes_each_stacked_layer_on_its_own_scales():
     """With scan_layers the trainer's all-reduce splits every stacked kernel into its layers
     (one slot and one scale each); norms, embeddings and the head stay one tensor; unrolled
     blocks need no split."""
-    from trainer_kit import small_config
+    from trainer_kit import recipe_of, small_config
 
     from gift_jax.comm.stage import allreduce_spec
-    from gift_jax.training.optim import allreduce_stage
 
     for scan in (True, False):
         config = small_config("fp8", **{"model.num_layers": 3, "model.scan_layers": scan})
         cfg = dataclasses.replace(CFG, scan_layers=scan)
         params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-        spec = allreduce_spec(allreduce_stage(config, ("data",), "fp8_e4m3"))
+        spec = allreduce_spec(recipe_of(config).comm.allreduce(("data",)))
         paths = ["/".join(str(getattr(k, "key", k)) for k in p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         stacks = dict(zip(paths, spec.stacks(params), strict=True))

@@ -12,6 +12,7 @@ import numpy as np
 
 from gift_jax.training import complete_config, train
 from gift_jax.training.config import set_fields
+from gift_jax.training.recipe import Recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 24  # num_steps of every config here (smoke runs stop early with stop_after)
@@ -112,3 +113,8 @@ def legacy_config(config):
         old.comm.mode = mode
         old.comm.codec = "fp8_e4m3" if codec in ("fp32", "bf16") else codec
     return old
+
+
+def recipe_of(config, num_devices: int = 8) -> Recipe:
+    """The typed recipe of ``config`` (completed) on ``num_devices`` devices."""
+    return Recipe.from_config(complete_config(config), num_devices)

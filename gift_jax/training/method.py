@@ -9,8 +9,9 @@ A run's gradient communication is two settings:
   steps) or ``plumage`` (PLUMAGE low-rank Adam, which reduces the projected coordinates; with
   ``plumage.gift`` they are GIFT-whitened too).
 
-:func:`comm_plan` turns a config into a :class:`CommPlan`, and the trainer asks it — never the
-config — which optax chain to build (:meth:`CommPlan.build`), whether a step refreshes
+The run's :class:`~gift_jax.training.recipe.Recipe` holds its :class:`CommPlan`, and the
+trainer asks it — never the config — which optax chain to build (:meth:`CommPlan.build`),
+whether a step refreshes
 (:meth:`CommPlan.refresh_due`), which layers' statistics a step captures
 (:meth:`CommPlan.capture_layers`), which extra arguments go to the optimizer's update
 (:meth:`CommPlan.update_kwargs`), where the recorded gradient norm lives
@@ -22,27 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-import ml_collections
 import optax
 
 from gift_jax.comm.stage import reset_error_feedback
 from gift_jax.lowrank import find_plumage_state, plumage
 from gift_jax.lowrank import refresh_due as plumage_refresh_due
 from gift_jax.training import optim
-from gift_jax.training.config import GIFT_REMAINDERS, METHODS, ConfigError, schedule_length
-from gift_jax.training.optim import GradNormState, learning_rate_schedule, skip_nonfinite
-from gift_jax.training.optimizers import decay_mask, get_optimizer
+from gift_jax.training.config import ConfigError
+from gift_jax.training.optim import GradNormState, skip_nonfinite
+from gift_jax.training.optimizers import decay_mask
 from gift_jax.utils.axes import axis_name_of
 from gift_jax.whitening.stage import (
     coverage_bases,
-    gift,
     refresh_due_adaptive,
     whitened_fraction,
 )
 from gift_jax.whitening.stage import refresh_due as gift_refresh_due
+
+if TYPE_CHECKING:
+    from gift_jax.training.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,20 +137,27 @@ class CommPlan:
 
     # ---- the chain ----------------------------------------------------------------------
 
-    def build(self, config: ml_collections.ConfigDict, axes: tuple[str, ...],
-              schedule: optax.Schedule) -> tuple[optax.GradientTransformation,
-                                                 optax.GradientTransformation]:
+    def build(self, recipe: Recipe, axes: tuple[str, ...], schedule: optax.Schedule
+              ) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
         """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
-        skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic)."""
+        skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic).
 
-        stage = optim.allreduce_stage(config, axes, self.codec, self.shards)
-        return self._dense_chain(config, stage, schedule), stage
+        Args:
+          recipe: the run's typed recipe (communication, optimizer, GIFT/PLUMAGE options).
+          axes: the data-parallel mesh axes.
+          schedule: the learning rate per step.
 
-    def _dense_chain(self, config, stage, schedule) -> optax.GradientTransformation:
+        Returns:
+          ``(chain, stage)``.
+        """
+        stage = recipe.comm.allreduce(axes, self.shards)
+        return self._dense_chain(recipe, stage, schedule), stage
 
-        rule = optim.dense_optimizer(config, schedule) if self.update_rule is None else (
-            self.update_rule(schedule))
-        return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config), rule)
+    def _dense_chain(self, recipe: Recipe, stage, schedule) -> optax.GradientTransformation:
+        opt = recipe.optimizer
+        rule = optim.dense_optimizer(opt, schedule, recipe.comm.stacked_layers) if (
+            self.update_rule is None) else self.update_rule(schedule)
+        return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(opt), rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,26 +211,12 @@ class GiftPlan(CommPlan):
                    if all(x.shape[0] == 1 for x in jax.tree.leaves(f))}
         return approx, factors or None
 
-    def build(self, config, axes, schedule):
-        g = config.gift
-        stage = gift(
-            optim.allreduce_stage(config, axes, self.codec, self.shards),
-            layers=self.gift_layers,
-            dimension_numbers=optim.gift_dimension_numbers(config),
-            rank=g.rank,
-            factor=GIFT_REMAINDERS[g.remainder],
-            damping=g.damping,
-            eig_method=g.eig_method,
-            ema=g.ema,
-            axis_name=axis_name_of(axes),
-            two_sided=self.gift_two_sided,
-            distribute_refresh=config.comm.distribute_refresh,
-            seed=config.train.seed,
-            route_frame=route_frame(config),
-            route_adam_eps=config.optimizer.eps,
-            track_coverage=self.adaptive_refresh is not None,
-        )
-        return self._dense_chain(config, stage, schedule), stage
+    def build(self, recipe, axes, schedule):
+        stage = recipe.gift.stage(
+            recipe.comm.allreduce(axes, self.shards), axes, recipe.comm, recipe.optimizer.eps,
+            layers=self.gift_layers, two_sided=self.gift_two_sided,
+            track_coverage=self.adaptive_refresh is not None)
+        return self._dense_chain(recipe, stage, schedule), stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,20 +243,23 @@ class PlumagePlan(CommPlan):
         found = _grad_norm_state(state.refresh_comm_state) if refresh else None
         return (_grad_norm_state(state.comm_state) if found is None else found).norm
 
-    def build(self, config, axes, schedule):
+    def build(self, recipe, axes, schedule):
         if self.update_rule is not None:
             raise ConfigError("an update_rule replaces the dense optimizer; with "
                               "comm.method='plumage' PLUMAGE is the optimizer")
-        pl, opt = config.plumage, config.optimizer
-        stage = optim.allreduce_stage(config, axes, self.codec, self.shards)
-        communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(config))
+        pl, opt, comm = recipe.plumage, recipe.optimizer, recipe.comm
+        stage = comm.allreduce(axes, self.shards)
+        communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(opt))
         communicate_refresh = None
         if self.gift_layers:  # ordinary steps: GIFT-whitened (k, N) coordinates
             communicate_refresh = communicate  # refresh steps: the full gradient, plain
-            communicate = optax.chain(optim.projected_gift(config, stage, axes,
-                                                           route_frame(config)),
-                                      optim.record_grad_norm(), *optim.clip_stages(config))
-        dims = optim.lowrank_dimension_numbers(config)
+            # GIFT for PLUMAGE's (k, N) coordinates R = MᵀG of gift.layers: whitened with the
+            # factor of MᵀAM, rebuilt on every PLUMAGE refresh (gift.refresh_every does not
+            # apply); GIFT reads k from the coordinates and the layers' input widths from
+            # PLUMAGE's hook (GiftState.with_input_widths)
+            communicate = optax.chain(recipe.gift.stage(stage, axes, comm, opt.eps),
+                                      optim.record_grad_norm(), *optim.clip_stages(opt))
+        dims = optim.lowrank_dimension_numbers(comm.stacked_layers)
         tx = plumage(
             schedule,
             rank=pl.rank,
@@ -274,50 +272,21 @@ class PlumagePlan(CommPlan):
             b2=opt.b2,
             eps=opt.eps,
             scale=pl.scale,
-            seed=config.train.seed,
-            mask=optim.plumage_mask(tuple(pl.layers), pl.rank, dims),
+            seed=comm.seed,
+            mask=optim.plumage_mask(pl.layers, pl.rank, dims),
             weight_dimension_numbers=dims,
             communicate=communicate,
             communicate_refresh=communicate_refresh,
             axis_name=axis_name_of(axes),
-            distribute_refresh=config.comm.distribute_refresh,
+            distribute_refresh=comm.distribute_refresh,
         )
         return tx, stage
-
-
-def route_frame(config: ml_collections.ConfigDict) -> str:
-    """``gift.route_frame`` of a validated config, ``"optimizer"`` resolved to the frame of the
-    update the optimizer takes from the reduced gradient (its registry entry's
-    :attr:`~gift_jax.training.optimizers.OptimizerEntry.route_frame`)."""
-    frame = config.gift.get("route_frame", "off")
-    if frame == "optimizer":
-        return get_optimizer(config.optimizer.name).route_frame
-    return frame
 
 
 def _grad_norm_state(tree: Any) -> GradNormState | None:
     """The one :class:`~gift_jax.training.optim.GradNormState` in ``tree`` (found by type name
     with ``optax.tree.get``; ``None`` when there is none, a ``KeyError`` when there are two)."""
     return optax.tree.get(tree, GradNormState.__name__)
-
-
-def comm_plan(config: ml_collections.ConfigDict) -> CommPlan:
-    """The :class:`CommPlan` of a validated config (``comm.codec`` + ``comm.method``)."""
-    comm, method = config.comm, config.comm.method
-    if method == "gift":
-        g = config.gift
-        adaptive = None
-        if g.get("refresh", "fixed") == "adaptive":
-            adaptive = (float(g.refresh_threshold), int(g.min_refresh_every),
-                        int(g.max_refresh_every))
-        return GiftPlan(comm.codec, g.refresh_every, tuple(g.layers),
-                        bool(g.get("two_sided", False)), adaptive_refresh=adaptive)
-    if method == "plumage":
-        layers = tuple(config.gift.layers) if config.plumage.get("gift", False) else ()
-        return PlumagePlan(comm.codec, config.plumage.refresh_every, layers)
-    if method == "none":
-        return CommPlan(comm.codec)
-    raise ConfigError(f"comm.method={method!r} is not supported; allowed: {', '.join(METHODS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,24 +313,28 @@ class Optimizer:
         return self.plan.refresh_every
 
 
-def build_optimizer(config: ml_collections.ConfigDict, axes: tuple[str, ...],
+def build_optimizer(recipe: Recipe, axes: tuple[str, ...],
                     update_rule: Callable[[optax.Schedule], optax.GradientTransformation]
                     | None = None, *, shards: Any = None) -> Optimizer:
-    """The chain for ``config`` with data-parallel mesh axes ``axes`` (see module docstring):
-    :meth:`CommPlan.build` of the config's plan,
-    wrapped in :func:`~gift_jax.training.optim.skip_nonfinite`.
+    """The chain of a run: :meth:`CommPlan.build` of the recipe's plan, wrapped in
+    :func:`~gift_jax.training.optim.skip_nonfinite`.
 
-    ``config`` must have passed :func:`gift_jax.training.config.validate_config`.
-    ``update_rule`` (``schedule → transformation``) replaces the config's AdamW/Muon after
-    the reduction and clipping (``comm.method`` none or gift). ``shards``
-    (a :class:`gift_jax.LocalShards`): the gradients are split over model axes inside each
-    replica, and the all-reduce reduces each device's local shard.
+    Args:
+      recipe: the run's :class:`~gift_jax.training.recipe.Recipe`.
+      axes: the data-parallel mesh axes.
+      update_rule: ``schedule → transformation`` replacing the config's optimizer after the
+        reduction and clipping (``comm.method`` none or gift), or ``None``.
+      shards: a :class:`gift_jax.LocalShards` when the gradients are split over model axes
+        inside each replica (the all-reduce reduces each device's local shard), or ``None``.
+
+    Returns:
+      The :class:`Optimizer`.
     """
-    plan = comm_plan(config)
+    plan = recipe.method
     if update_rule is not None:
         plan = dataclasses.replace(plan, update_rule=update_rule)
     if shards is not None:
         plan = dataclasses.replace(plan, shards=shards)
-    schedule = learning_rate_schedule(config.optimizer, schedule_length(config))
-    chain, stage = plan.build(config, axes, schedule)
+    schedule = recipe.optimizer.learning_rate_schedule()
+    chain, stage = plan.build(recipe, axes, schedule)
     return Optimizer(skip_nonfinite(chain), schedule, plan, stage)

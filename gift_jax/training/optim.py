@@ -1,4 +1,4 @@
-"""The optimizer chain of a run, built from its config.
+"""The optimizer chain of a run, built from its typed recipe (:mod:`.recipe`).
 
 Which chain is built is the :class:`~gift_jax.training.method.CommPlan`'s decision
 (``comm.codec`` + ``comm.method``); this module holds the pieces. Per-device gradients enter
@@ -34,18 +34,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
-from gift_jax.comm.codecs import get_codec
-from gift_jax.comm.stage import allreduce
 from gift_jax.lowrank.views import resolve_layouts
-from gift_jax.training.config import GIFT_REMAINDERS
 from gift_jax.training.optimizers import STACKED_AXES, get_optimizer
-from gift_jax.utils.axes import axis_name_of
 from gift_jax.utils.matrices import MatrixDimensionNumbers
 from gift_jax.utils.tree_paths import flat_paths, leaf_path, path_mask, require_matches
-from gift_jax.whitening.stage import gift
 
 log = logging.getLogger("gift_jax.training")
 
@@ -54,9 +48,18 @@ log = logging.getLogger("gift_jax.training")
 # ---- schedule -------------------------------------------------------------------------------
 
 
-def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+def learning_rate_schedule(opt: Any, num_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to ``opt.learning_rate``, then cosine/linear decay to
-    ``opt.final_learning_rate`` at ``num_steps`` (or constant)."""
+    ``opt.final_learning_rate`` at ``num_steps`` (or constant).
+
+    Args:
+      opt: the optimizer settings (:class:`~gift_jax.training.recipe.OptimizerOptions`, or
+        a config's ``optimizer`` group: the fields are read by name).
+      num_steps: the schedule's length.
+
+    Returns:
+      The schedule.
+    """
     peak, final, warmup = opt.learning_rate, opt.final_learning_rate, opt.warmup_steps
     decay = max(num_steps - warmup, 1)
     if opt.schedule == "cosine":
@@ -126,32 +129,6 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 # ---- the chain ------------------------------------------------------------------------------
 
 
-def allreduce_stage(config: ml_collections.ConfigDict, axes: tuple[str, ...],
-                    codec: str, shards: Any = None) -> optax.GradientTransformation:
-    """The quantized all-reduce over the data axes with the config's codec settings
-    (``shards``: reduce each device's local shard, see :class:`gift_jax.LocalShards`)."""
-    comm = config.comm
-    scaled = get_codec(codec)
-    block = None
-    if scaled.supports_block_scaling and comm.scaling == "block":
-        block = comm.block_size
-    hierarchical = len(axes) > 1  # ('data', 'intra'): reduce over 'intra' first
-    return allreduce(
-        axes[0],
-        codec=codec,
-        block_size=block,
-        stochastic_rounding=comm.stochastic_rounding and not scaled.is_exact,
-        error_feedback=comm.error_feedback and not scaled.is_exact,
-        seed=config.train.seed,
-        global_scale=comm.fp8_accumulation,
-        accumulate="fp8" if comm.fp8_accumulation else "fp32",
-        intra_axis=axes[1] if hierarchical else None,
-        intra_codec=comm.intra_codec,
-        shards=shards,
-        stack_axes=stacked_kernels if config.model.scan_layers else None,
-    )
-
-
 def stacked_kernels(path, leaf) -> int:
     """``stack_axes`` of a scanned model's gradients (and PLUMAGE's coordinates of them): the
     stacked kernels ``layers/… (layers, in, out)`` stack one matrix per layer, each quantized
@@ -159,59 +136,27 @@ def stacked_kernels(path, leaf) -> int:
     return int(leaf_path(path).startswith("layers/") and len(jnp.shape(leaf)) >= 3)
 
 
-def clip_stages(config) -> list[optax.GradientTransformation]:
-    """``[clip_by_global_norm(optimizer.grad_clip_norm)]``, or ``[]`` when it is 0."""
-    c = config.optimizer.grad_clip_norm
+def clip_stages(opt: Any) -> list[optax.GradientTransformation]:
+    """``[clip_by_global_norm(opt.grad_clip_norm)]``, or ``[]`` when it is 0 (``opt``: the
+    typed optimizer options, :class:`~gift_jax.training.recipe.OptimizerOptions`)."""
+    c = opt.grad_clip_norm
     return [optax.clip_by_global_norm(c)] if c and c > 0 else []
 
 
-def dense_optimizer(config, schedule) -> optax.GradientTransformation:
-    """The update rule of ``optimizer.name`` (its :mod:`~gift_jax.training.optimizers` entry)."""
-    return get_optimizer(config.optimizer.name).build(config.optimizer, schedule,
-                                                      config.model.scan_layers)
+def dense_optimizer(opt: Any, schedule: optax.Schedule,
+                    scan_layers: bool) -> optax.GradientTransformation:
+    """The update rule of ``opt.name`` (its :mod:`~gift_jax.training.optimizers` entry, built
+    from the typed options ``opt`` and the schedule; ``scan_layers``: kernels are stacked)."""
+    return get_optimizer(opt.name).build(opt, schedule, scan_layers)
 
 
-def gift_dimension_numbers(config) -> dict | None:
-    """GIFT's ``dimension_numbers`` for ``gift.layers``: the stacked kernels' axes when the
-    model scans its layers, else ``None`` (2-D kernels need none)."""
-    if not config.model.scan_layers:
-        return None
-    return {p: MatrixDimensionNumbers(*STACKED_AXES) for p in config.gift.layers}
-
-
-def lowrank_dimension_numbers(config):
+def lowrank_dimension_numbers(stacked_layers: bool):
     """PLUMAGE's ``weight_dimension_numbers``: the stacked kernels' axes when the model scans
     its layers (leaves of 3 dimensions), else ``None`` (the 2-D default)."""
-    if not config.model.scan_layers:
+    if not stacked_layers:
         return None
     return lambda params: jax.tree.map(
         lambda x: MatrixDimensionNumbers(*STACKED_AXES) if x.ndim == 3 else None, params)
-
-
-def projected_gift(config, stage, axes, route_frame: str = "off"
-                   ) -> optax.GradientTransformation:
-    """GIFT around ``stage`` for PLUMAGE's ``(k, N)`` coordinates ``R = MᵀG`` of
-    ``gift.layers``: whitened with the factor of ``MᵀAM``, rebuilt on every PLUMAGE refresh
-    (``gift.refresh_every`` does not apply). ``route_frame``: the stage's, measured on the
-    coordinates at each refresh. The rank is PLUMAGE's alone: GIFT reads ``k`` from the
-    coordinates it is initialised on and the layers' input widths from PLUMAGE's hook
-    (:meth:`~gift_jax.whitening.stage.GiftState.with_input_widths`)."""
-    g = config.gift
-    return gift(
-        stage,
-        layers=tuple(g.layers),
-        dimension_numbers=gift_dimension_numbers(config),
-        rank=g.rank,
-        factor=GIFT_REMAINDERS[g.remainder],
-        damping=g.damping,
-        eig_method=g.eig_method,
-        ema=g.ema,
-        axis_name=axis_name_of(axes),
-        distribute_refresh=config.comm.distribute_refresh,
-        seed=config.train.seed,
-        route_frame=route_frame,
-        route_adam_eps=config.optimizer.eps,
-    )
 
 
 def plumage_mask(layers: tuple[str, ...], rank: int, dimension_numbers=None):

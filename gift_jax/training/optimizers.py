@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
-import ml_collections
 import optax
 from optax.contrib import MuonDimensionNumbers
 
@@ -41,8 +41,9 @@ DENSE_PATTERNS = ("embed/*", "lm_head/*")
 #: ``(reduction, output)`` axes of a stacked ``(layers, in, out)`` kernel (model.scan_layers).
 STACKED_AXES = (1, 2)
 
-#: ``build(opt, schedule, scan_layers)``: the update rule of the ``optimizer`` config group.
-Build = Callable[[ml_collections.ConfigDict, optax.Schedule, bool], optax.GradientTransformation]
+#: ``build(opt, schedule, scan_layers)``: the update rule from the typed optimizer settings
+#: (:class:`~gift_jax.training.recipe.OptimizerOptions`; the fields are read by name).
+Build = Callable[[Any, optax.Schedule, bool], optax.GradientTransformation]
 
 
 def decay_mask(params):

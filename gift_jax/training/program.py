@@ -1,6 +1,7 @@
 """Everything a run compiles, built once per (config, mesh) and cached in the process.
 
-A :class:`Program` holds the model graph, the optimizer chain, the jitted initialisers, the
+A :class:`Program` holds the run's typed :class:`~gift_jax.training.recipe.Recipe`, the
+model graph, the optimizer chain, the jitted initialisers, the
 train step variants, the eval step and the fidelity diagnostic. All of it is a function of
 the config (minus logging/checkpoint cadence) and the mesh, so repeated :func:`train` calls in
 one process — resuming, sweeps in a notebook, tests — reuse the compiled executables.
@@ -19,11 +20,11 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from gift_jax.models import model_config_of
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
 from gift_jax.training.mesh import data_axes, model_axes
 from gift_jax.training.method import Optimizer, build_optimizer
-from gift_jax.training.sharding import DEFAULT_RULES, ParamLayout, activation_axes
+from gift_jax.training.recipe import Recipe
+from gift_jax.training.sharding import ParamLayout, activation_axes
 from gift_jax.training.step import (
     TrainStep,
     eval_step_fn,
@@ -43,28 +44,27 @@ class Program:
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
                  compiler_options: dict[str, Any] | None = None,
                  update_rule: Callable | None = None):
-        tc = config.train
         self.mesh = mesh
-        self.model_config = model_config_of(config.model)
-        self.layout = ParamLayout.of(self.model_config, dict(mesh.shape),
-                                     dict(config.mesh.get("rules", DEFAULT_RULES)))
+        self.recipe = recipe = Recipe.from_config(config, mesh.devices.size)
+        self.model_config = recipe.model_config
+        self.layout = ParamLayout.of(self.model_config, dict(mesh.shape), recipe.mesh_rules)
         if model_axes(mesh):  # see LlamaConfig (every family): embed_lookup, activation_axes
             self.model_config = dataclasses.replace(
                 self.model_config, embed_lookup="one_hot",
-                activation_axes=activation_axes(mesh, dict(config.mesh.rules)))
+                activation_axes=activation_axes(mesh, recipe.mesh_rules))
         self.model_def = model_def_of(self.model_config)
         self.update_rule = update_rule  # kept alive: its id is part of the cache key
-        self.optimizer: Optimizer = build_optimizer(config, data_axes(mesh), update_rule,
+        self.optimizer: Optimizer = build_optimizer(recipe, data_axes(mesh), update_rule,
                                                     shards=self.layout.local_shards(mesh))
-        self.init_params = params_init_fn(self.model_config, tc.seed, mesh, self.layout)
+        self.init_params = params_init_fn(self.model_config, recipe.seed, mesh, self.layout)
         abstract_params = jax.eval_shape(self.init_params)
         self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh, self.layout)
         abstract_state = jax.eval_shape(self.init_opt_state, abstract_params)
         self.step = TrainStep(self.model_def, self.optimizer, mesh, abstract_params,
-                              abstract_state, global_batch=tc.global_batch_size,
-                              seq_len=tc.seq_len, accum_steps=tc.grad_accum_steps,
+                              abstract_state, global_batch=recipe.global_batch_size,
+                              seq_len=recipe.seq_len, accum_steps=recipe.grad_accum_steps,
                               compiler_options=compiler_options, layout=self.layout)
-        self._accum = tc.grad_accum_steps
+        self._accum = recipe.grad_accum_steps
 
     def init(self) -> tuple[Any, Any]:
         """Fresh ``(params, opt_state)`` on the step's shardings."""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_kit import MODES, legacy_config, small_config
+from trainer_kit import MODES, legacy_config, recipe_of, small_config
 
 from gift_jax.training import (
     ConfigError,
@@ -289,7 +289,7 @@ def test_every_former_mode_translates(mode):
     assert (translated.comm.codec, translated.comm.method) == (new.comm.codec, new.comm.method)
     assert to_json(translated) == to_json(new)
     assert config_differences(to_json(old), new) == []  # an old checkpoint resumes
-    plan = build_optimizer(translated, ("data",)).plan
+    plan = build_optimizer(recipe_of(translated), ("data",)).plan
     assert (plan.name, plan.codec) == (new.comm.method, new.comm.codec)
     assert plan.variants() == ((False, True) if mode in ("gift_fp8", "plumage") else (False,))
 

@@ -41,6 +41,7 @@ from trainer_kit import (
     STEPS,
     assert_replicas_identical,
     assert_trees_equal,
+    recipe_of,
     run,
     small_config,
     synthetic_batches,
@@ -458,15 +459,15 @@ def test_plumage_warns_once_when_no_leaf_is_projected(caplog):
     warnings = lambda: [r.getMessage() for r in caplog.records
                         if "projects NO parameter" in r.getMessage()]
     with caplog.at_level("WARNING", logger="gift_jax.training"):
-        tx = build_optimizer(small_config("plumage", "adamw", **{"plumage.rank": 32}),
+        tx = build_optimizer(recipe_of(small_config("plumage", "adamw", **{"plumage.rank": 32})),
                              ("data",)).tx
         jax.eval_shape(tx.init, params)
         jax.eval_shape(tx.init, params)
         assert len(warnings()) == 1
         assert "plumage.rank=32" in warnings()[0] and "smallest: 32" in warnings()[0]
         caplog.clear()
-        jax.eval_shape(build_optimizer(small_config("plumage", "adamw"), ("data",)).tx.init,
-                       params)  # rank 4 projects both kernels
+        tx = build_optimizer(recipe_of(small_config("plumage", "adamw")), ("data",)).tx
+        jax.eval_shape(tx.init, params)  # rank 4 projects both kernels
         assert not warnings()
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from trainer_kit import recipe_of
 
 from gift_jax.training import complete_config
 from gift_jax.training.config import ConfigError, set_fields
@@ -15,9 +16,13 @@ from gift_jax.training.method import (
     GiftPlan,
     PlumagePlan,
     build_optimizer,
-    comm_plan,
-    route_frame,
 )
+from gift_jax.training.recipe import route_frame
+
+
+def plan_of(config):
+    """The communication plan of ``config``'s recipe."""
+    return recipe_of(config).method
 
 
 @pytest.fixture
@@ -26,12 +31,12 @@ def config(tiny_config):
 
 
 def test_each_method_gets_its_plan(config):
-    none = comm_plan(set_fields(config, {"comm.codec": "bf16", "comm.method": "none"}))
+    none = plan_of(set_fields(config, {"comm.codec": "bf16", "comm.method": "none"}))
     assert type(none) is CommPlan and none.codec == "bf16" and none.variants() == (False,)
     assert none.refresh_fraction() == 0.0 and none.capture_layers(True) == ()
     assert none.update_kwargs(True, {"x": 1}) == {}
 
-    gift = comm_plan(set_fields(config, {"comm.codec": "fp8_e4m3", "comm.method": "gift",
+    gift = plan_of(set_fields(config, {"comm.codec": "fp8_e4m3", "comm.method": "gift",
                                          "gift.refresh_every": 25}))
     assert isinstance(gift, GiftPlan) and gift.variants() == (False, True)
     assert gift.refresh_fraction() == 1 / 25
@@ -41,21 +46,21 @@ def test_each_method_gets_its_plan(config):
     assert gift.update_kwargs(True, "A") == {"gift_stats": "A"}
     assert gift.update_kwargs(False, None) == {}
 
-    plumage = comm_plan(set_fields(config, {"comm.method": "plumage", "plumage.gift": True}))
+    plumage = plan_of(set_fields(config, {"comm.method": "plumage", "plumage.gift": True}))
     assert isinstance(plumage, PlumagePlan) and plumage.gift_layers == ("*/mlp/down_proj",)
     assert plumage.update_kwargs(False, None) == {"plumage_refresh": False}
     assert plumage.update_kwargs(True, "A") == {"plumage_refresh": True, "gift_stats": "A"}
 
 
 def test_two_sided_gift_passes_both_statistics(config):
-    plan = comm_plan(set_fields(config, {"comm.codec": "fp8_e4m3", "comm.method": "gift",
+    plan = plan_of(set_fields(config, {"comm.codec": "fp8_e4m3", "comm.method": "gift",
                                          "gift.two_sided": True}))
     assert plan.update_kwargs(True, ("A", "B")) == {"gift_stats": "A", "gift_output_stats": "B"}
 
 
 def test_unknown_method_and_route_frames(config):
     with pytest.raises(ConfigError, match="comm.method='dgc' is not supported; allowed: "):
-        comm_plan(set_fields(config, {"comm.method": "dgc"}))
+        plan_of(set_fields(config, {"comm.method": "dgc"}))
     assert route_frame(set_fields(config, {"gift.route_frame": "optimizer",
                                            "optimizer.name": "muon"})) == "muon"
     assert route_frame(set_fields(config, {"gift.route_frame": "optimizer",
@@ -68,7 +73,7 @@ def test_the_chain_reduces_then_clips_then_steps(config):
     the unclipped one (what the logs show)."""
     config = set_fields(config, {"optimizer.grad_clip_norm": 1.0, "optimizer.warmup_steps": 1,
                                  "optimizer.weight_decay": 0.0})
-    opt = build_optimizer(config, ("data",))
+    opt = build_optimizer(recipe_of(config), ("data",))
     params = {"w": jnp.ones((3, 4))}
     grads = {"w": jnp.full((3, 4), 2.0)}  # norm 2·√12 > 1: clipped
 

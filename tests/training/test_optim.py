@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from trainer_kit import recipe_of
 
 from gift_jax.comm.stage import allreduce_spec
 from gift_jax.training.config import set_fields
 from gift_jax.training.optim import (
-    allreduce_stage,
     learning_rate_schedule,
     record_grad_norm,
     skip_nonfinite,
@@ -49,6 +49,7 @@ def test_nonfinite_update_is_skipped_and_the_state_kept():
 @pytest.mark.parametrize("codec,block", [("fp8_e4m3", 64), ("bf16", None), ("int8", 64),
                                          ("fp32", None)])
 def test_block_scaling_follows_the_codec(tiny_config, codec, block):
-    config = set_fields(tiny_config, {"comm.scaling": "block", "comm.block_size": 64})
-    spec = allreduce_spec(allreduce_stage(config, ("data",), codec))
+    config = set_fields(tiny_config, {"comm.scaling": "block", "comm.block_size": 64,
+                                      "comm.codec": codec})
+    spec = allreduce_spec(recipe_of(config).comm.allreduce(("data",)))
     assert getattr(spec.codec, "name", spec.codec) == codec and spec.block_size == block

@@ -10,7 +10,7 @@ import pytest
 
 from gift_jax.training import config as C
 from gift_jax.training import optimizers as O
-from gift_jax.training.method import route_frame
+from gift_jax.training.recipe import route_frame
 from gift_jax.whitening.stage import ROUTE_FRAMES
 
 

@@ -12,6 +12,7 @@ from trainer_kit import (
     FAST,
     SMOKE,
     assert_trees_equal,
+    recipe_of,
     small_config,
 )
 
@@ -62,7 +63,7 @@ def optax_apply(params, updates):
 def test_nonfinite_gradient_skips_the_step_on_every_replica():
     config = complete_config(small_config("fp8", "adamw", **SMOKE["fp8_block_sr_ef"][2]))
     mesh = make_mesh()
-    tx = build_optimizer(config, ("data",)).tx
+    tx = build_optimizer(recipe_of(config), ("data",)).tx
     params = {"w": jnp.ones((8, 16)), "b": jnp.zeros((16,))}
     grads = {"w": jnp.ones((8, 8, 16)).at[3, 0, 0].set(jnp.inf), "b": jnp.ones((8, 16))}
     state = gj.init_on_mesh(tx, params, mesh)
