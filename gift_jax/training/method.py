@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import optax
@@ -42,9 +42,6 @@ from gift_jax.whitening.stage import (
     whitened_fraction,
 )
 from gift_jax.whitening.stage import refresh_due as gift_refresh_due
-
-if TYPE_CHECKING:
-    from gift_jax.training.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +134,15 @@ class CommPlan:
 
     # ---- the chain ----------------------------------------------------------------------
 
-    def build(self, recipe: Recipe, axes: tuple[str, ...], schedule: optax.Schedule
+    def build(self, recipe: Any, axes: tuple[str, ...], schedule: optax.Schedule
               ) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
         """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
         skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic).
 
         Args:
-          recipe: the run's typed recipe (communication, optimizer, GIFT/PLUMAGE options).
+          recipe: the run's :class:`~gift_jax.training.recipe.Recipe` (communication,
+            optimizer, GIFT/PLUMAGE options; it builds the plan, so the plan reads it by
+            attribute rather than importing it).
           axes: the data-parallel mesh axes.
           schedule: the learning rate per step.
 
@@ -153,7 +152,7 @@ class CommPlan:
         stage = recipe.comm.allreduce(axes, self.shards)
         return self._dense_chain(recipe, stage, schedule), stage
 
-    def _dense_chain(self, recipe: Recipe, stage, schedule) -> optax.GradientTransformation:
+    def _dense_chain(self, recipe: Any, stage, schedule) -> optax.GradientTransformation:
         opt = recipe.optimizer
         rule = optim.dense_optimizer(opt, schedule, recipe.comm.stacked_layers) if (
             self.update_rule is None) else self.update_rule(schedule)
@@ -313,7 +312,7 @@ class Optimizer:
         return self.plan.refresh_every
 
 
-def build_optimizer(recipe: Recipe, axes: tuple[str, ...],
+def build_optimizer(recipe: Any, axes: tuple[str, ...],
                     update_rule: Callable[[optax.Schedule], optax.GradientTransformation]
                     | None = None, *, shards: Any = None) -> Optimizer:
     """The chain of a run: :meth:`CommPlan.build` of the recipe's plan, wrapped in
