@@ -35,6 +35,12 @@ DEFAULT_FAMILY = "llama"
 def model_spec(family_or_config: Any) -> ModelSpec:
     """The spec of a family, given its name (``"llama"``) or one of its config instances.
 
+    Args:
+      family_or_config: a family name or a config dataclass instance.
+
+    Returns:
+      The family's spec.
+
     Raises:
       ValueError: an unknown name or config type, naming the known families.
     """
@@ -46,22 +52,54 @@ def model_spec(family_or_config: Any) -> ModelSpec:
 
 def model_config_of(group: Mapping[str, Any]) -> Any:
     """The family config of a ``model`` group (``config.model``): its ``family``
-    (default :data:`DEFAULT_FAMILY`) selects the dataclass, the other keys are its fields."""
+    (default :data:`DEFAULT_FAMILY`) selects the dataclass, the other keys are its fields.
+
+    Args:
+      group: a ``model`` group (``config.model``).
+
+    Returns:
+      The family's config dataclass.
+
+    Raises:
+      ValueError: an unknown family or a setting the family does not have.
+    """
     return model_spec(group.get("family", DEFAULT_FAMILY)).config(group)
 
 
 def param_shapes(config: Any, *, flat: bool = False) -> dict:
-    """The parameter shapes of a model of any family (:meth:`ModelSpec.param_shapes`)."""
+    """The parameter shapes of a model of any family (:meth:`ModelSpec.param_shapes`).
+
+    Args:
+      config: a family's config dataclass.
+      flat: a flat dict keyed by ``/``-joined paths instead of a nested one.
+
+    Returns:
+      The parameters as ``jax.ShapeDtypeStruct`` leaves.
+    """
     return model_spec(config).param_shapes(config, flat=flat)
 
 
 def logical_axes(config: Any) -> dict[str, tuple[str, ...]]:
-    """The parameters' logical axis names, any family (:meth:`ModelSpec.logical_axes`)."""
+    """The parameters' logical axis names, any family (:meth:`ModelSpec.logical_axes`).
+
+    Args:
+      config: a family's config dataclass.
+
+    Returns:
+      ``{path: logical axis names}``.
+    """
     return model_spec(config).logical_axes(config)
 
 
 def count_params(config: Any) -> int:
-    """The parameter count of a model of any family, from its dimensions."""
+    """The parameter count of a model of any family, from its dimensions.
+
+    Args:
+      config: a family's config dataclass.
+
+    Returns:
+      The number of parameters.
+    """
     return model_spec(config).count_params(config)
 
 

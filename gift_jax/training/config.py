@@ -189,7 +189,14 @@ def load_config(name_or_path: str | os.PathLike,
 
 def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of ``config`` with every missing :data:`TRAINER_DEFAULTS` field added, and a
-    former ``comm.mode`` translated into ``comm.codec`` + ``comm.method``."""
+    former ``comm.mode`` translated into ``comm.codec`` + ``comm.method``.
+
+    Args:
+      config: a config, possibly lacking settings.
+
+    Returns:
+      The completed copy.
+    """
     config = copy.deepcopy(config)
     with config.unlocked():
         if "comm" in config and "mode" in config.comm:
@@ -288,6 +295,13 @@ def apply_overrides(
 
     Values are parsed to the type of the existing field (bools accept true/false, tuples a
     Python literal or a single string). An unknown field raises :class:`ConfigError`.
+
+    Args:
+      config: a config (not changed).
+      overrides: ``(dotted name, text)`` pairs, e.g. ``("comm.codec", "fp8_e4m3")``.
+
+    Returns:
+      The overridden copy.
     """
     config = copy.deepcopy(config)
     for name, text in overrides:
@@ -468,6 +482,10 @@ def _validate_tokenizer(config) -> None:
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices.
+
+    Args:
+      config: a completed config.
+      num_devices: the number of devices of the run's mesh.
 
     Raises:
       ConfigError: with one line naming the setting and what is allowed.

@@ -62,6 +62,14 @@ def initialize_distributed(
     JAX detect the cluster (``jax.distributed.initialize()`` without arguments: SLURM, Open MPI,
     Cloud TPU pods, Kubernetes JobSets — whatever this JAX version's cluster plugins know).
     Returns whether JAX was initialized for several processes.
+
+    Args:
+      coordinator_address: ``HOST:PORT`` of process 0, ``"auto"``, or ``None`` (environment).
+      num_processes: the number of processes, or ``None`` (environment).
+      process_id: this process's index, or ``None`` (environment).
+
+    Returns:
+      Whether JAX was initialized for several processes.
     """
     address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if address == "auto":
@@ -238,7 +246,17 @@ def make_mesh(intra_size: int = 1, devices=None, *, fsdp: int = 1, tensor: int =
     ``('data', 'fsdp', 'tensor')`` or ``('data', 'intra', 'fsdp', 'tensor')`` (see the module
     docstring), laid out on the physical topology by :func:`device_grid` (on several slices
     ``'data'`` runs across them: with ``intra_size`` = the replicas of one slice, only the
-    quantized reduction leaves a slice)."""
+    quantized reduction leaves a slice).
+
+    Args:
+      intra_size: replicas per node of a hierarchical reduction (1: one data axis).
+      devices: the devices (default: all of every process).
+      fsdp: parameter/optimizer-state split within a replica group.
+      tensor: attention heads / MLP hidden split.
+
+    Returns:
+      The mesh.
+    """
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(len(devices), -1, fsdp, tensor, intra_size)
     n = sizes[DATA_AXIS]
@@ -267,7 +285,14 @@ def model_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """All data-parallel axes of ``mesh``, outermost first (batches are split over these)."""
+    """All data-parallel axes of ``mesh``, outermost first (batches are split over these).
+
+    Args:
+      mesh: the run's mesh.
+
+    Returns:
+      The data axis names, outermost first.
+    """
     return tuple(name for name in (DATA_AXIS, INTRA_AXIS) if name in mesh.axis_names)
 
 

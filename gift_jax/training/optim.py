@@ -107,7 +107,14 @@ class SkipState(NamedTuple):
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """Runs ``inner``; if any output update is not finite, returns zero updates and keeps the
     previous inner state (a skipped step, counted in :class:`SkipState`). Extra args are
-    forwarded to ``inner``."""
+    forwarded to ``inner``.
+
+    Args:
+      inner: the chain to guard.
+
+    Returns:
+      The guarded transformation, state :class:`SkipState`.
+    """
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):

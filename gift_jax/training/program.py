@@ -99,7 +99,17 @@ def program_for(config: ml_collections.ConfigDict, mesh: Mesh,
                 update_rule: Callable | None = None) -> Program:
     """The cached :class:`Program` of ``config`` on ``mesh`` (built on first use); with an
     ``update_rule`` (see :func:`~gift_jax.training.method.build_optimizer`) the cache is keyed
-    by that object's identity (the cached program holds it)."""
+    by that object's identity (the cached program holds it).
+
+    Args:
+      config: a completed, valid config.
+      mesh: the run's mesh.
+      compiler_options: XLA options of the compiled steps, or ``None``.
+      update_rule: ``schedule → transformation`` replacing the config's optimizer, or ``None``.
+
+    Returns:
+      The :class:`Program`.
+    """
     key = _key(config, mesh, compiler_options, update_rule)
     if key in _CACHE:
         _CACHE.move_to_end(key)

@@ -187,6 +187,18 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
     parameters' split over the model axes (a sharded mesh). ``metrics``: ``loss`` (mean over
     the global batch), ``grad_norm`` (of the reduced gradient; NaN on a skipped step),
     ``skipped`` (this step), ``skipped_total``.
+
+    Args:
+      model_def: the model's static graph.
+      optimizer: the run's :class:`~gift_jax.training.method.Optimizer`.
+      mesh: the run's mesh.
+      opt_specs: the optimizer state's ``shard_map`` specs.
+      accum_steps: microbatches per step.
+      refresh: compile the refresh variant (statistics captured, extra update arguments).
+      layout: the parameters' split over the model axes, or ``None``.
+
+    Returns:
+      The step function.
     """
     axes = data_axes(mesh)
     plan = optimizer.plan
@@ -224,7 +236,16 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
 
 def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = None
                  ) -> Callable:
-    """Jitted ``(params, batch) → mean loss`` over the global batch."""
+    """Jitted ``(params, batch) → mean loss`` over the global batch.
+
+    Args:
+      model_def: the model's static graph.
+      mesh: the run's mesh.
+      layout: the parameters' split over the model axes, or ``None`` (pure data parallelism).
+
+    Returns:
+      The jitted evaluation step.
+    """
     axes = data_axes(mesh)
 
     def body(params, tokens):
