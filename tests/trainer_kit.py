@@ -3,8 +3,10 @@ of a mode label, synthetic batches of a repetitive text, runs compiled at XLA op
 level 0 (repeated runs of one config reuse the cached program,
 :mod:`gift_jax.training.program`), and bit-level comparisons of replicas and trees."""
 
+import os
 import pathlib
 import runpy
+import signal
 
 import jax
 import ml_collections
@@ -48,6 +50,19 @@ def synthetic_batches(split, global_batch, seq_len, *, seed, start_step, process
         yield rows[process_index * local: (process_index + 1) * local]
         k += 1
 
+
+
+def interrupting_batches(at: int):
+    """:func:`synthetic_batches` that send this process SIGINT (a Ctrl-C) while training batch
+    ``at`` (0-based) is prepared, i.e. during step ``at``."""
+
+    def batches(split, *args, **kwargs):
+        for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
+            if split == "train" and k == at:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+    return batches
 
 #: The former comm.mode values as (comm.codec, comm.method) (base.py's low-precision codec is
 #: fp8_e4m3); the tests name runs by these labels.

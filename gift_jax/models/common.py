@@ -39,6 +39,7 @@ from gift_jax.utils.platform import non_manual_axes, target_device
 __all__ = [
     "LOGICAL_AXES",
     "REMAT_POLICIES",
+    "DecoderConfig",
     "ModelSpec",
     "apply_blocks",
     "causal_attention",
@@ -138,6 +139,32 @@ def config_from_mapping(cls: type, mapping: Mapping[str, Any]) -> Any:
     return cls(**fields)
 
 
+class DecoderConfig:
+    """What every family's config dataclass derives alike: a mixin with no fields (so each
+    family keeps its own field order and defaults) over the fields they share (``d_model``,
+    ``num_heads``, ``dtype``, ``param_dtype``)."""
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> Any:
+        """Builds a config from a mapping (e.g. ``config.model`` of an ml_collections config).
+
+        Unknown keys raise ``ValueError`` so that a typo in a config file is not ignored.
+        """
+        return config_from_mapping(cls, mapping)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(DTYPES[self.dtype])
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        return jnp.dtype(DTYPES[self.param_dtype])
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -161,8 +188,8 @@ def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str]
         d_in,
         d_out,
         use_bias=use_bias,
-        dtype=jnp.dtype(DTYPES[cfg.dtype]),
-        param_dtype=jnp.dtype(DTYPES[cfg.param_dtype]),
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype,
         kernel_init=nnx.initializers.normal(cfg.init_std if init_std is None else init_std),
         rngs=rngs,
         kernel_metadata={LOGICAL_AXES: axes},
@@ -174,7 +201,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: Any) -> jax.Array:
     """Rows ``table[tokens]`` in the compute dtype: a gather, or with ``embed_lookup='one_hot'``
     a one-hot matmul at full precision (the same values; partitions where the gather's
     gradient does not, see :class:`~gift_jax.models.llama.LlamaConfig`)."""
-    compute = jnp.dtype(DTYPES[cfg.dtype])
+    compute = cfg.compute_dtype
     if cfg.embed_lookup == "one_hot":
         return jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
                           table, precision=jax.lax.Precision.HIGHEST).astype(compute)

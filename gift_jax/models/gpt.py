@@ -35,21 +35,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gift_jax.models.common import (
-    DTYPES,
     LOGICAL_AXES,
+    DecoderConfig,
     ModelSpec,
     apply_blocks,
     causal_attention,
     check_decoder_fields,
-    config_from_mapping,
     constrain,
     dense,
     embed_tokens,
@@ -60,7 +57,7 @@ __all__ = ["GPT", "GPTConfig", "SPEC", "count_params"]
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(DecoderConfig):
     """Static hyper-parameters of a GPT-2-style model.
 
     Attributes:
@@ -101,27 +98,10 @@ class GPTConfig:
             positive_reals=("norm_eps", "init_std"),
             bools=("tie_embeddings", "remat", "scan_layers"))
 
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> GPTConfig:
-        """Builds a config from a mapping; unknown keys raise ``ValueError``."""
-        return config_from_mapping(cls, mapping)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
     @property
     def kv_heads(self) -> int:
         """Key/value heads: every head has its own (no grouped-query attention)."""
         return self.num_heads
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(DTYPES[self.dtype])
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        return jnp.dtype(DTYPES[self.param_dtype])
 
     @property
     def residual_init_std(self) -> float:

@@ -46,22 +46,19 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gift_jax.models.common import (
-    DTYPES,
     LOGICAL_AXES,
     REMAT_POLICIES,
+    DecoderConfig,
     ModelSpec,
     apply_blocks,
     causal_attention,
     check_decoder_fields,
-    config_from_mapping,
     constrain,
     dense,
     embed_tokens,
@@ -89,7 +86,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(DecoderConfig):
     """Static hyper-parameters of a Llama model.
 
     Attributes:
@@ -175,30 +172,10 @@ class LlamaConfig:
         if kv is not None:
             object.__setattr__(self, "num_kv_heads", int(kv))
 
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> LlamaConfig:
-        """Builds a config from a mapping (e.g. ``config.model`` of an ml_collections config).
-
-        Unknown keys raise ``ValueError`` so that a typo in a config file is not ignored.
-        """
-        return config_from_mapping(cls, mapping)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
-
     @property
     def kv_heads(self) -> int:
         """Number of key/value heads after resolving ``num_kv_heads=None``."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(DTYPES[self.dtype])
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        return jnp.dtype(DTYPES[self.param_dtype])
 
 
 # ----------------------------------------------------------------------------- pure math

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gift_jax.comm.wire import WireReport, parse_hlo
-from gift_jax.models import model_spec, next_token_loss
+from gift_jax.models import model_spec
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
 from gift_jax.training.method import Optimizer
 from gift_jax.training.optim import SkipState
@@ -61,9 +61,11 @@ Metrics = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
-    """A Flax NNX model's static graph (parameters are carried separately as a pure dict)."""
+    """A Flax NNX model's static graph (parameters are carried separately as a pure dict) and
+    its family's training loss (:meth:`~gift_jax.models.ModelSpec.loss`)."""
 
     graphdef: Any
+    loss: Callable
 
     def merge(self, params: Params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
@@ -77,12 +79,13 @@ def replica_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
                          check_vma=False, **kwargs)
 
 
-def loss_for(mesh: Mesh) -> Callable:
-    """The loss of the step on ``mesh``: :func:`~gift_jax.models.next_token_loss`, with
-    ``one_hot=True`` on a sharded mesh (a gather along a split vocabulary does not partition)."""
+def loss_for(model_def: ModelDef, mesh: Mesh) -> Callable:
+    """The loss of the step on ``mesh``: the model family's loss
+    (:func:`~gift_jax.models.next_token_loss` for both families), with ``one_hot=True`` on a
+    sharded mesh (a gather along a split vocabulary does not partition)."""
     if model_axes(mesh):
-        return functools.partial(next_token_loss, one_hot=True)
-    return next_token_loss
+        return functools.partial(model_def.loss, one_hot=True)
+    return model_def.loss
 
 
 def _constrain(tree: Any, specs: Any) -> Any:
@@ -94,12 +97,12 @@ def _constrain(tree: Any, specs: Any) -> Any:
 
 def model_def_of(model_config: Any) -> ModelDef:
     """The static graph of the model of ``model_config``, any family (built abstractly, no
-    arrays allocated)."""
-    abstract = model_spec(model_config).abstract(model_config)
-    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+    arrays allocated), with the family's loss."""
+    spec = model_spec(model_config)
+    graphdef, _, rest = nnx.split(spec.abstract(model_config), nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise ValueError("the model has non-parameter state; the trainer only carries params")
-    return ModelDef(graphdef)
+    return ModelDef(graphdef, spec.loss)
 
 
 def params_init_fn(model_config: Any, seed: int, mesh: Mesh,
@@ -131,7 +134,7 @@ def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
 def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
                           accum_steps: int, capture_layers: tuple[str, ...],
                           two_sided: bool = False, strided: bool = False,
-                          loss_fn: Callable = next_token_loss,
+                          loss_fn: Callable | None = None,
                           coverage_bases: dict[str, Any] | None = None):
     """(mean loss, mean gradient, mean input statistics) of this replica's tokens; with
     ``two_sided`` the statistics are ``(A, B)``, B the per-token output-side second moment
@@ -139,7 +142,9 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
     ``capture_layers``) the input-coverage sums of GIFT's adaptive refresh
     (:func:`gift_jax.whitening.capture.with_input_coverage`). ``strided``: microbatch ``i``
     takes rows ``i, i + accum_steps, …`` (so each keeps the rows' split over ``fsdp``)
-    instead of a contiguous block. ``loss_fn``: ``(model, tokens) → loss``."""
+    instead of a contiguous block. ``loss_fn``: ``(model, tokens) → loss`` (default: the
+    family's, ``model_def.loss``)."""
+    loss_fn = model_def.loss if loss_fn is None else loss_fn
 
     def one(p, toks):
         if capture_layers and two_sided:
@@ -215,7 +220,7 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
         loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
                                                    capture, plan.gift_two_sided, sharded,
-                                                   loss_for(mesh),
+                                                   loss_for(model_def, mesh),
                                                    plan.coverage_bases(refresh, opt_state))
         grads = _constrain(grads, specs)
         kwargs = plan.update_kwargs(refresh, stats)
@@ -250,7 +255,7 @@ def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = N
 
     def body(params, tokens):
         params = _constrain(params, _model_specs(layout, mesh, params))
-        loss_fn = loss_for(mesh)
+        loss_fn = loss_for(model_def, mesh)
         return jax.lax.pmean(loss_fn(model_def.merge(params), tokens), axes)
 
     return jax.jit(replica_map(body, mesh, (P(), P(axes)), P()))
@@ -274,7 +279,7 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
         sharded = bool(model_axes(mesh))
         micro = tokens[::accum_steps] if sharded else tokens[: tokens.shape[0] // accum_steps]
         params = _constrain(params, _model_specs(layout, mesh, params))
-        grads = jax.grad(lambda q: loss_for(mesh)(model_def.merge(q), micro))(params)
+        grads = jax.grad(lambda q: loss_for(model_def, mesh)(model_def.merge(q), micro))(params)
         grads = _constrain(grads, _model_specs(layout, mesh, params))
         ref = jax.tree.map(lambda g: jax.lax.pmean(g.astype(jnp.float32), axis), grads)
         approx, factors = optimizer.plan.roundtrip(optimizer.stage, grads, opt_state.inner)

@@ -3,15 +3,14 @@ crash, a config mismatch refused, an object-storage workdir end to end, and chec
 before a setting existed (or under the former ``comm.mode`` vocabulary) resuming bit-exactly."""
 
 import json
-import os
 import runpy
-import signal
 
 import pytest
 from trainer_kit import (
     ROOT,
     SMOKE,
     assert_trees_equal,
+    interrupting_batches,
     legacy_config,
     run,
     small_config,
@@ -33,15 +32,8 @@ def test_resume_after_ctrl_c_is_bit_exact(tmp_path):
     (GIFT factors, per-device error feedback, keys) bit for bit."""
     config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2])
     full = run(config, stop_after=6)
-
-    def interrupting(split, *args, **kwargs):
-        for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
-            if split == "train" and k == 2:
-                os.kill(os.getpid(), signal.SIGINT)  # arrives while step 2 is prepared
-            yield batch
-
     with pytest.raises(KeyboardInterrupt, match="step 3"):
-        run(config, str(tmp_path), batches=interrupting, stop_after=6)
+        run(config, str(tmp_path), batches=interrupting_batches(2), stop_after=6)
     resumed = run(config, str(tmp_path), resume=True, stop_after=3)
     assert resumed.step == 6
     assert_trees_equal(resumed.params, full.params)

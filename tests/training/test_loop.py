@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -41,6 +40,7 @@ from trainer_kit import (
     STEPS,
     assert_replicas_identical,
     assert_trees_equal,
+    interrupting_batches,
     recipe_of,
     run,
     small_config,
@@ -140,15 +140,8 @@ def test_resuming_a_finished_run_leaves_its_records_alone(tmp_path, capsys):
 
 def test_interrupt_logs_the_partial_window_and_resume_says_its_length(tmp_path):
     config = small_config("fp32", **{"train.log_every": 4})
-
-    def interrupting(split, *args, **kwargs):
-        for k, batch in enumerate(synthetic_batches(split, *args, **kwargs)):
-            if split == "train" and k == 5:
-                os.kill(os.getpid(), signal.SIGINT)  # arrives while step 6 is prepared
-            yield batch
-
     with pytest.raises(KeyboardInterrupt, match="step 6"):
-        run(config, str(tmp_path), batches=interrupting, stop_after=10)
+        run(config, str(tmp_path), batches=interrupting_batches(5), stop_after=10)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["window"]) for r in lines if "loss" in r] == [(4, 4), (6, 2)]
     resumed = run(config, str(tmp_path), resume=True, stop_after=4)

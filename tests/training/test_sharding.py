@@ -197,7 +197,7 @@ def test_cross_data_reduction_moves_only_the_local_shard_in_uint8():
     # nothing is gathered over the model axes beyond what the model's forward/backward
     # gathers: the reference is the same gradient computation without any reduction
     def grad(params, tokens):
-        loss = loss_for(program.mesh)
+        loss = loss_for(program.model_def, program.mesh)
         return jax.grad(lambda q: loss(program.model_def.merge(q), tokens))(params)
 
     reference = jax.jit(replica_map(grad, program.mesh, (P(), P("data")), P()),
