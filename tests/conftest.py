@@ -1,11 +1,22 @@
 """Test setup: 8 simulated CPU devices, set before JAX initialises."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run, shared by pytest-xdist's workers and the scripts
+# the tests start (they inherit the environment): the trainer tests compile the same small
+# programs many times.  Keyed by the HLO, the flags and the backend, so a hit is the same
+# executable.  Set in the controller before the workers start; a user's own setting wins.
+_OWN_CACHE = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="gift_jax_test_jit_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 from gift_jax.utils.cpu_devices import avoid_cpu_dot_crash  # noqa: E402
 
@@ -14,12 +25,19 @@ avoid_cpu_dot_crash()  # before JAX initialises (jaxlib 0.10/0.11 XLA:CPU dot cr
 
 import logging  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 
 import pytest  # noqa: E402
 
 #: The repository's config files.
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def pytest_unconfigure(config):
+    """Removes the run's compilation cache (the controller's, once every worker is done)."""
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

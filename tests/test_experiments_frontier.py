@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 from scipy import stats
+from trainer_kit import script_env
 
 from gift_jax.apps.experiments import frontier as F
 from gift_jax.data import TokenSource
@@ -115,12 +116,11 @@ def test_frontier_at_16_replicas_smoke(tmp_path):
     """#23's training cells at R = 16 (the R = 64 measurement's shape): fp8_e5m2 on the FP8
     ring, Euclidean and GIFT, and the fp32 reference, 2 steps each on 16 simulated devices
     with 16 x 1 sequences, through the script; the records say 16 devices."""
-    import os
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     subprocess.run(
         [sys.executable, str(root / "scripts" / "frontier.py"), "--out", str(tmp_path),
          "--cpu_devices", "16", "--set", "train.global_batch_size=16", "--set",

@@ -1,13 +1,13 @@
 """Every Python block of README.md runs as written (a fresh process, 8 simulated CPU devices
 set up by the block itself), and the training loops it shows train."""
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from trainer_kit import script_env
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"),
@@ -28,8 +28,7 @@ def test_the_readme_has_python_examples():
 def test_readme_block_runs(block, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(block, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the block sets up JAX
-    env["JAX_PLATFORMS"] = "cpu"
+    env = script_env(JAX_PLATFORMS="cpu")  # the block sets up its devices
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -21,6 +21,22 @@ STEPS = 24  # num_steps of every config here (smoke runs stop early with stop_af
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
+def script_env(**changes: str | None) -> dict[str, str]:
+    """The environment of a script a test starts: this process's, with the device count taken
+    out of ``XLA_FLAGS`` (the script sets its own, e.g. ``--cpu_devices``) and any other XLA
+    flag kept (so that its results agree with this process's bit for bit); then ``changes``
+    (``None`` removes a variable)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
 _TEXT = np.frombuffer(b"the quick brown fox jumps over the lazy dog; " * 40, np.uint8)
 
 

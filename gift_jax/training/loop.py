@@ -665,7 +665,8 @@ def train(
       stop_after: stop after this many steps of this call (a partial run: a checkpoint is
         written, and ``resume=True`` continues it; ``--stop_after`` in ``scripts/train.py``).
       show_progress: show the tqdm bar (process 0).
-      compiler_options: XLA options for the train step variants (e.g.
+      compiler_options: XLA options for every program of the run: initialisation, the train
+        step variants, evaluation and diagnostics (e.g.
         ``{"xla_backend_optimization_level": 0}`` to compile small test models fast).
 
     Returns:

@@ -56,9 +56,12 @@ class Program:
         self.update_rule = update_rule  # kept alive: its id is part of the cache key
         self.optimizer: Optimizer = build_optimizer(recipe, data_axes(mesh), update_rule,
                                                     shards=self.layout.local_shards(mesh))
-        self.init_params = params_init_fn(self.model_config, recipe.seed, mesh, self.layout)
+        self.compiler_options = compiler_options
+        self.init_params = params_init_fn(self.model_config, recipe.seed, mesh, self.layout,
+                                          compiler_options=compiler_options)
         abstract_params = jax.eval_shape(self.init_params)
-        self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh, self.layout)
+        self.init_opt_state = opt_init_fn(self.optimizer, abstract_params, mesh, self.layout,
+                                          compiler_options=compiler_options)
         abstract_state = jax.eval_shape(self.init_opt_state, abstract_params)
         self.step = TrainStep(self.model_def, self.optimizer, mesh, abstract_params,
                               abstract_state, global_batch=recipe.global_batch_size,
@@ -74,13 +77,14 @@ class Program:
     @functools.cached_property
     def evaluate(self) -> Callable:
         """Jitted ``(params, batch) → mean loss``."""
-        return eval_step_fn(self.model_def, self.mesh, self.layout)
+        return eval_step_fn(self.model_def, self.mesh, self.layout,
+                            compiler_options=self.compiler_options)
 
     @functools.cached_property
     def diagnose(self) -> Callable:
         """Jitted fidelity diagnostic (:func:`~gift_jax.training.step.fidelity_fn`)."""
         return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,
-                           self._accum, self.layout)
+                           self._accum, self.layout, compiler_options=self.compiler_options)
 
 
 def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options,
@@ -104,7 +108,8 @@ def program_for(config: ml_collections.ConfigDict, mesh: Mesh,
     Args:
       config: a completed, valid config.
       mesh: the run's mesh.
-      compiler_options: XLA options of the compiled steps, or ``None``.
+      compiler_options: XLA options of every compiled program (init, steps, eval,
+        diagnostics), or ``None``.
       update_rule: ``schedule → transformation`` replacing the config's optimizer, or ``None``.
 
     Returns:

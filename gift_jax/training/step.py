@@ -105,22 +105,25 @@ def model_def_of(model_config: Any) -> ModelDef:
     return ModelDef(graphdef, spec.loss)
 
 
-def params_init_fn(model_config: Any, seed: int, mesh: Mesh,
-                   layout: ParamLayout) -> Callable[[], Params]:
+def params_init_fn(model_config: Any, seed: int, mesh: Mesh, layout: ParamLayout, *,
+                   compiler_options: dict[str, Any] | None = None) -> Callable[[], Params]:
     """Jitted ``() → params`` (a pure dict), initialised on device directly on the layout's
     shardings (a sharded model never materialises whole on one device or on the host): the
-    same values on every process and every mesh, a function of ``seed`` only."""
+    same values on every process and every mesh, a function of ``seed`` only (compiled with
+    ``compiler_options``, as every program of :class:`TrainStep`'s run)."""
 
     def build():
         model = model_spec(model_config).build(model_config, rngs=nnx.Rngs(seed))
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     abstract = jax.eval_shape(build)
-    return jax.jit(build, out_shardings=shardings(layout.specs(abstract), mesh))
+    return jax.jit(build, out_shardings=shardings(layout.specs(abstract), mesh),
+                   compiler_options=compiler_options or None)
 
 
 def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
-                layout: ParamLayout) -> Callable:
+                layout: ParamLayout, *, compiler_options: dict[str, Any] | None = None
+                ) -> Callable:
     """Jitted ``params → opt_state``: ``tx.init`` inside :func:`replica_map`, so per-device
     buffers (error feedback) are created per device and sharded over every axis (as
     :func:`gift_jax.init_on_mesh`), the rest as :func:`~.sharding.state_specs` says."""
@@ -128,7 +131,8 @@ def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
     specs = state_specs(probe, layout, mesh)
     return jax.jit(replica_map(optimizer.tx.init, mesh, P(), manual_specs(specs, mesh)),
                    in_shardings=(shardings(layout.specs(abstract_params), mesh),),
-                   out_shardings=shardings(specs, mesh))
+                   out_shardings=shardings(specs, mesh),
+                   compiler_options=compiler_options or None)
 
 
 def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
@@ -239,14 +243,15 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
     return replica_map(body, mesh, (P(), opt_specs, P(axes)), (P(), opt_specs, P()))
 
 
-def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = None
-                 ) -> Callable:
+def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = None, *,
+                 compiler_options: dict[str, Any] | None = None) -> Callable:
     """Jitted ``(params, batch) → mean loss`` over the global batch.
 
     Args:
       model_def: the model's static graph.
       mesh: the run's mesh.
       layout: the parameters' split over the model axes, or ``None`` (pure data parallelism).
+      compiler_options: XLA options of the compiled step, or ``None``.
 
     Returns:
       The jitted evaluation step.
@@ -258,11 +263,13 @@ def eval_step_fn(model_def: ModelDef, mesh: Mesh, layout: ParamLayout | None = N
         loss_fn = loss_for(model_def, mesh)
         return jax.lax.pmean(loss_fn(model_def.merge(params), tokens), axes)
 
-    return jax.jit(replica_map(body, mesh, (P(), P(axes)), P()))
+    return jax.jit(replica_map(body, mesh, (P(), P(axes)), P()),
+                   compiler_options=compiler_options or None)
 
 
 def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any,
-                accum_steps: int, layout: ParamLayout | None = None) -> Callable:
+                accum_steps: int, layout: ParamLayout | None = None, *,
+                compiler_options: dict[str, Any] | None = None) -> Callable:
     """Jitted ``(params, opt_state, batch) → {metric: value}``: one-step round trip of this
     run's reduction against the fp32 mean, on the first microbatch's per-device gradients.
 
@@ -286,7 +293,8 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
         report = fidelity_report(approx, ref, factors, muon=None)["aggregate"]
         return {k: v.astype(jnp.float32) for k, v in report.items()}
 
-    return jax.jit(replica_map(body, mesh, (P(), opt_specs, P(axes)), P()))
+    return jax.jit(replica_map(body, mesh, (P(), opt_specs, P(axes)), P()),
+                   compiler_options=compiler_options or None)
 
 
 class TrainStep:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_kit import MODES, legacy_config, recipe_of, small_config
+from trainer_kit import MODES, legacy_config, recipe_of, script_env, small_config
 
 from gift_jax.training import (
     ConfigError,
@@ -183,10 +183,9 @@ def test_train_script_quiets_the_missing_tpu_message(train_script, capsys):
 
 
 def _script_stderr(*args: str) -> str:
-    """stderr of ``scripts/train.py`` run in a fresh process without the tests' XLA_FLAGS."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """stderr of ``scripts/train.py`` run in a fresh process with its own devices."""
+    env = script_env(JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", TINY,
                            *args], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -14,7 +14,9 @@ import sys
 
 _WORKER = __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker"
 if _WORKER:  # a process of the multi-process test: 4 CPU devices, gloo collectives
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # the test process's other XLA flags, so that both sides compile alike
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     from gift_jax.utils.cpu_devices import avoid_cpu_dot_crash
@@ -43,6 +45,7 @@ from trainer_kit import (
     interrupting_batches,
     recipe_of,
     run,
+    script_env,
     small_config,
     synthetic_batches,
 )
@@ -402,7 +405,7 @@ def test_two_processes_match_one_process(tmp_path, mesh):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "mp.npz")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = script_env(JAX_PLATFORMS=None)
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(port), str(i), out, mesh],
                               env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -8,7 +8,6 @@ hold 1/(fsdp·tensor) of the state per device, reduce only each device's local s
 
 import json
 import math
-import os
 import pathlib
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from trainer_kit import (
     assert_replicas_identical,
     assert_trees_equal,
     run,
+    script_env,
     small_config,
     synthetic_batches,
 )
@@ -308,7 +308,7 @@ def test_resume_onto_another_mesh_shape(tmp_path):
 def test_pod_compile_script_smoke(tmp_path):
     """scripts/compile_pod.py on 16 simulated devices (its own process): a 2-layer tiny model
     on (2, 4, 2), compiled and never run; fp8 crosses data at a quarter of the fp32 shard."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = script_env(JAX_PLATFORMS=None)
     proc = subprocess.run(
         [sys.executable, "scripts/compile_pod.py", "--config", "tiny", "--devices", "16",
          "--mesh", "2,4,2", "--modes", "fp32,fp8", "--set", "model.num_layers=2",
