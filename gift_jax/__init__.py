@@ -67,7 +67,13 @@ from gift_jax.whitening.capture import (
     with_input_stats,
 )
 from gift_jax.whitening.fidelity import fidelity_report
-from gift_jax.whitening.stage import GiftDimensionNumbers, GiftState, gift, select_layers
+from gift_jax.whitening.stage import (
+    GiftDimensionNumbers,
+    GiftLeafState,
+    GiftState,
+    gift,
+    select_layers,
+)
 from gift_jax.whitening.stage import refresh_due as gift_refresh_due
 
 __version__ = "0.1.0"
@@ -80,6 +86,7 @@ __all__ = [
     "CODEC_NAMES",
     "Codec",
     "GiftDimensionNumbers",
+    "GiftLeafState",
     "GiftState",
     "LocalShards",
     "LowRankDimensionNumbers",

@@ -155,7 +155,7 @@ def test_scan_stacked_layers():
     _, st = jax.jit(lambda g, s, a, b: tx.update(g, s, gift_stats=a, gift_output_stats=b))(
         g, tx.init(g), a_stats, b_stats)
     assert int(st.refreshes) == 1 and int(st.identity_fallbacks) == 0
-    assert st.out_stats[up].shape == (NL, DF, DF)
+    assert st.whitened[up].out_stats.shape == (NL, DF, DF)
 
 
 def test_tiny_llama_keys_match_gift_selection():
@@ -169,7 +169,8 @@ def test_tiny_llama_keys_match_gift_selection():
     tx = gift(optax.identity(), layers, rank=4, two_sided=True)
     g = nnx.to_pure_dict(grads)
     state = tx.init(g)
-    assert sorted(a_stats) == sorted(b_stats) == sorted(state.stats) == sorted(state.out_stats)
+    assert sorted(a_stats) == sorted(b_stats) == sorted(state.whitened)
+    assert sorted(state.member("out_stats")) == sorted(state.whitened)
     assert sorted(b_stats) == ["layers/0/attn/q_proj/kernel", "layers/0/mlp/down_proj/kernel"]
     for path, b in b_stats.items():
         m = 32
@@ -210,7 +211,7 @@ def test_input_coverage_of_scanned_layers_matches_their_statistics():
     (_, sums), g_cov = nnx.jit(nnx.value_and_grad(with_input_coverage(_loss, bases),
                                                   has_aux=True))(model, X)
     assert sums[down].shape == (NL, 2)
-    want = jax.vmap(input_coverage)(st.factors[down], a_stats[down])
+    want = jax.vmap(input_coverage)(st.whitened[down].factor, a_stats[down])
     np.testing.assert_allclose(sums[down][:, 0] / sums[down][:, 1], want, rtol=1e-5)
     assert ((0 < want) & (want < 1)).all()
     jax.tree.map(lambda u, v: np.testing.assert_array_equal(u, v), nnx.to_pure_dict(g_cov),

@@ -70,7 +70,7 @@ def _sharded_step(tx, traces=None):
         kw = {} if stats is None else {"gift_stats": jax.tree.map(lambda x: x[0], stats)}
         out, st = tx.update(g, st, None, **kw)
         return jax.tree.map(lambda x: x[None], out), st, jax.tree.map(lambda x: x[None],
-                                                                      st.factors)
+                                                                      st.member("factor"))
 
     return jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P("data"), P(), P("data")),
                                  out_specs=(P("data"), P(), P("data")), check_vma=False))
@@ -202,11 +202,11 @@ def test_non_finite_statistics_fall_back_counted():
     np.testing.assert_allclose(_kernel(out)[0], np.asarray(_kernel(grads)).mean(0), rtol=1e-6,
                                atol=1e-6)
     # the EMA was not poisoned, and a later good refresh recovers
-    assert np.isfinite(st_np.stats[KERNEL]).all()
+    assert np.isfinite(st_np.whitened[KERNEL].stats).all()
     _, st, factors = STEP(grads, st, stats)
     st, factors = jax.device_get((st, factors))
     assert int(st.refreshes) == 2 and int(st.identity_fallbacks) == 1
-    np.testing.assert_allclose(st.stats[KERNEL][0], np.asarray(stats[KERNEL]).mean(0),
+    np.testing.assert_allclose(st.whitened[KERNEL].stats[0], np.asarray(stats[KERNEL]).mean(0),
                                rtol=1e-5, atol=1e-6)
     assert np.abs(_np_lowrank_w(factors[KERNEL], 0, 0) - np.eye(N)).max() > 0.1
 
@@ -215,10 +215,10 @@ def test_ema_of_statistics():
     grads, stats = _grads(4)
     _, st, _ = STEP(grads, _init(TX), stats)
     a1 = np.asarray(stats[KERNEL]).mean(0)
-    np.testing.assert_allclose(np.asarray(st.stats[KERNEL])[0], a1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(st.whitened[KERNEL].stats)[0], a1, rtol=1e-5, atol=1e-6)
     stats2 = {KERNEL: 2.0 * np.asarray(stats[KERNEL])}
     _, st, _ = STEP(grads, st, stats2)
-    np.testing.assert_allclose(np.asarray(st.stats[KERNEL])[0], 0.95 * a1 + 0.05 * 2 * a1,
+    np.testing.assert_allclose(np.asarray(st.whitened[KERNEL].stats)[0], 0.95 * a1 + 0.05 * 2 * a1,
                                rtol=1e-5, atol=1e-6)
 
 
@@ -256,7 +256,7 @@ def test_stacked_layers_and_attention_dimension_numbers():
     tx = gift(_recording(), layers=["*/mlp/down_proj", "*/attn/*"], rank=4,
               dimension_numbers=dims)
     st, grads = jax.device_get((_whitened(tx, grads, stats), grads))
-    w, fs = st.inner_state, st.factors
+    w, fs = st.inner_state, st.member("factor")
     for l in range(L):
         np.testing.assert_allclose(
             w["layers"]["mlp"]["down_proj"]["kernel"][l],
@@ -299,8 +299,8 @@ def test_projected_factor_for_plumage():
     r = {"mlp": {"down_proj": {"kernel": proj.T @ g[0]}}}
     tx = gift(_recording(), layers=["mlp/down_proj"], factor="full_symmetric")
     state = tx.init(r).with_input_widths({"mlp/down_proj/kernel": N})  # the projecting hook
-    assert state.stats["mlp/down_proj/kernel"].shape == (1, N, N)
-    assert state.factors["mlp/down_proj/kernel"].w.shape == (1, k, k)  # k from the shapes
+    assert state.whitened["mlp/down_proj/kernel"].stats.shape == (1, N, N)
+    assert state.whitened["mlp/down_proj/kernel"].factor.w.shape == (1, k, k)  # k from the shapes
     _, st = jax.jit(lambda r, s, a, m: tx.update(  # no params: every width is in the shapes
         r, s, gift_stats={"mlp/down_proj/kernel": a},
         gift_projection={"mlp/down_proj/kernel": m}))(r, state, a[0], proj)
@@ -322,7 +322,7 @@ def test_subspace_eigensolver_close_to_eigh():
     stats = {"mlp/down_proj/kernel": a[0]}
     tx = gift(_recording(), ["mlp/down_proj"], rank=4, eig_method="subspace", eig_iters=3)
     st = jax.device_get(_whitened(tx, grads, stats))
-    assert st.basis["mlp/down_proj/kernel"].shape == (1, N, 4)
+    assert st.whitened["mlp/down_proj/kernel"].basis.shape == (1, N, 4)
     # exact rank-4 isotropic whitener from numpy's eigh
     lam, u = np.linalg.eigh(np.asarray(a[0], np.float64))
     lam, u = lam[::-1], u[:, ::-1]
@@ -447,7 +447,7 @@ def test_capture_list_model_matches_manual_and_restores_model():
     # the keys are exactly the GIFT stage's selection on the gradient tree
     tx = gift(_recording(), ["*/mlp/down_proj"], rank=4)
     state = tx.init(grads)
-    assert sorted(state.stats) == sorted(stats)
+    assert sorted(state.member("stats")) == sorted(stats)
     _, state = jax.jit(lambda g, s, st: tx.update(g, s, gift_stats=st))(grads, state, stats)
     assert int(state.refreshes) == 1 and int(state.identity_fallbacks) == 0
 
@@ -467,7 +467,7 @@ def test_capture_scan_stacked_layers_and_no_statistics_in_plain_variant():
     tx = gift(_recording(), ["*/mlp/down_proj"], rank=4,
               dimension_numbers={"*/mlp/down_proj": GiftDimensionNumbers(1, 2)})
     _, st = jax.jit(lambda g, s, st: tx.update(g, s, gift_stats=st))(grads, tx.init(grads), stats)
-    assert st.factors["layers/mlp/down_proj/kernel"].u.shape == (NL, DF, 4)
+    assert st.whitened["layers/mlp/down_proj/kernel"].factor.u.shape == (NL, DF, 4)
     # the ordinary variant does no statistics work: no (d_ff × d_ff) dot in its jaxpr
     graphdef, state = nnx.split(model)
 
@@ -511,7 +511,7 @@ def test_distributed_refresh_equals_replicated_and_gathers_factors(factor):
         def body(g, st, s):
             g, s = jax.tree.map(lambda x: x[0], (g, s))
             out, st = tx.update(g, st, None, gift_stats=s)
-            return jax.tree.map(lambda x: x[None], (out, st.factors))
+            return jax.tree.map(lambda x: x[None], (out, st.member("factor")))
 
         fn = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P("data"), P(), P("data")),
                                    out_specs=P("data"), check_vma=False))
@@ -554,12 +554,12 @@ def test_error_feedback_residual_reexpressed_across_refresh():
                                  check_vma=False))
     _, st = step(grads, init(params), a1)
     e = np.asarray(_kernel(st.inner_state.residuals[0]))[:, 0]  # (D, N, M) in the W₁ frame
-    w1 = np.asarray(st.factors[KERNEL].w, np.float64)[0, 0]
+    w1 = np.asarray(st.whitened[KERNEL].factor.w, np.float64)[0, 0]
     assert np.abs(e).max() > 0
     out, st2 = step(zeros, st, a2)
     got = np.asarray(_kernel(out))[0]
     owed = np.linalg.solve(w1, e.mean(0))  # mean_r W₁⁻¹ e_r
-    w2 = np.asarray(st2.factors[KERNEL].w, np.float64)[0, 0]
+    w2 = np.asarray(st2.whitened[KERNEL].factor.w, np.float64)[0, 0]
     stale = np.linalg.solve(w2, e.mean(0))
     rel = lambda x: np.linalg.norm(x - owed) / np.linalg.norm(owed)
     assert rel(got) < 0.15, rel(got)

@@ -47,7 +47,7 @@ def _grads(g):
 
 def _use(st):
     """(D,) per-replica routing flag of the one selected matrix."""
-    return np.asarray(st.use_whitening[KERNEL])[:, 0]
+    return np.asarray(st.whitened[KERNEL].use_whitening)[:, 0]
 
 
 # Muon frame (rank-4 factor, FP8): the whitened transport wins by ~1.7x when the factor was
@@ -70,7 +70,7 @@ def test_routes_euclidean_when_whitening_is_worse_and_back_when_it_helps_without
 
     out1, st1 = STEP(grads, st0, a_rotated)  # refresh: stale factor → Euclidean
     assert not _use(st1).any()
-    err = np.asarray(st1.route_error[KERNEL])[:, :, 0]  # (D, [euclidean, whitened])
+    err = np.asarray(st1.whitened[KERNEL].route_error)[:, :, 0]  # (D, [euclidean, whitened])
     assert (err == err[:1]).all() and err[0, 1] > 1.5 * err[0, 0]
     assert float(whitened_fraction(jax.tree.map(lambda x: x[0], st1))) == 0.0
 
@@ -85,11 +85,12 @@ def test_routes_euclidean_when_whitening_is_worse_and_back_when_it_helps_without
 
     out2, st2 = STEP(grads, st_e, a_own)  # refresh: matching factor → whitened again
     assert _use(st2).all()
-    err = np.asarray(st2.route_error[KERNEL])[:, :, 0]
+    err = np.asarray(st2.whitened[KERNEL].route_error)[:, :, 0]
     assert (err == err[:1]).all() and err[0, 1] < 0.8 * err[0, 0]
     # routed whitened: bit-identical to the always-whitening stage refreshed with the same A
-    ref, _ = PLAIN(grads, _per_device_init(TX)._replace(use_whitening={}, route_error={}),
-                   a_own)
+    unrouted = {KERNEL: None}
+    ref, _ = PLAIN(grads, _per_device_init(TX).with_members(use_whitening=unrouted,
+                                                            route_error=unrouted), a_own)
     np.testing.assert_array_equal(_kernel(out2), _kernel(ref))
     out_w, st_w = STEP(grads, st2, None)
     assert _use(st_w).all()
@@ -124,7 +125,7 @@ def test_routing_measures_the_reduced_transport_ring_included(accumulate):
             None], mesh=_mesh(), in_specs=P("data"), out_specs=P("data"), check_vma=False))(g)
     exact = np.mean(np.asarray(g, np.float64), axis=0)
     want = np.linalg.norm(np.asarray(plain[0], np.float64) - exact) / np.linalg.norm(exact)
-    err = np.asarray(st.route_error[KERNEL])  # (D, 2, 1)
+    err = np.asarray(st.whitened[KERNEL].route_error)  # (D, 2, 1)
     assert (err == err[:1]).all()
     np.testing.assert_allclose(err[0, 0, 0], want, rtol=1e-4)
     assert err[0, 1, 0] > 0
@@ -158,7 +159,7 @@ def test_recorded_route_errors_are_the_errors_the_step_produces(accumulate, extr
 
     routed = gift(allreduce("data", **kw), rank=4, ema=0.0, route_frame="euclidean")
     _, st = _per_device_step(routed, [])(grads, _per_device_init(routed), a)
-    recorded = np.asarray(st.route_error[KERNEL])[0, :, 0]  # [Euclidean, whitened]
+    recorded = np.asarray(st.whitened[KERNEL].route_error)[0, :, 0]  # [Euclidean, whitened]
     plain = allreduce("data", **kw)
     euclidean = jax.jit(jax.shard_map(
         lambda x: jax.tree.map(lambda y: y[None], plain.update(
@@ -198,8 +199,8 @@ def test_stacked_layers_routed_apart_record_the_errors_they_produce(accumulate):
     out, st = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("data"),
                                     out_specs=P("data"), check_vma=False))(
         {"layers": {"mlp": {"down_proj": {"kernel": g}}}}, init, a)
-    use = np.asarray(st.use_whitening[path])[0]
-    recorded = np.asarray(st.route_error[path])[0]  # (2 routes, 2 layers)
+    use = np.asarray(st.whitened[path].use_whitening)[0]
+    recorded = np.asarray(st.whitened[path].route_error)[0]  # (2 routes, 2 layers)
     got = np.asarray(out["layers"]["mlp"]["down_proj"]["kernel"], np.float64)[0]
     exact = np.mean(np.asarray(g, np.float64), axis=0)
     real = [np.linalg.norm(got[k] - exact[k]) / np.linalg.norm(exact[k]) for k in range(2)]
@@ -219,7 +220,7 @@ def test_bad_route_settings():
 def test_off_keeps_the_state_structure():
     """route_frame='off' adds no state leaves (old checkpoints restore)."""
     st = gift(allreduce("data"), rank=4).init(_params())
-    assert st.use_whitening == {} and st.route_error == {}
+    assert st.member("use_whitening") == {} and st.member("route_error") == {}
     assert whitened_fraction(st) is None
 
 
@@ -281,7 +282,7 @@ def test_trainer_logs_the_routing_and_stays_replica_identical():
     assert_replicas_identical(result.params)
     (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
         x, GiftState)) if isinstance(s, GiftState)]
-    assert sorted(gs.use_whitening) == ["layers/0/attn/o_proj/kernel",
+    assert sorted(gs.member("use_whitening")) == ["layers/0/attn/o_proj/kernel",
                                         "layers/0/mlp/down_proj/kernel"]
     diag = [h for h in result.history if "gift/whitened_fraction" in h]
     assert diag and all(0.0 <= h["gift/whitened_fraction"] <= 1.0 for h in diag)
@@ -341,15 +342,15 @@ def test_staleness_signal_triggers_a_refresh_on_rotated_inputs_not_on_stationary
     assert due(st)  # no refresh yet
     grads, a, _ = _rotated_inputs(q1, 1)
     _, st = _coverage_step(grads, st, a, None)  # refresh: the reference coverage
-    ref = np.asarray(st.coverage_ref[KERNEL])
+    ref = np.asarray(st.whitened[KERNEL].coverage_ref)
     assert (ref == ref[:1]).all() and ref[0, 0] > 0.5
-    factor = jax.tree.map(lambda v: v[0], host(st).factors[KERNEL])
+    factor = jax.tree.map(lambda v: v[0], host(st).whitened[KERNEL].factor)
     np.testing.assert_allclose(ref[0, 0], input_coverage(factor, jnp.mean(a, 0)), rtol=1e-5)
     for seed in (2, 3, 4):  # stationary: fresh samples of the same distribution
         st = ordinary(st, q1, seed)
         assert float(coverage_ratio(host(st))) > 0.9 and not due(st)
     st = ordinary(st, q2, 5)  # the inputs rotated
-    cov = np.asarray(st.coverage[KERNEL])
+    cov = np.asarray(st.whitened[KERNEL].coverage)
     assert (cov == cov[:1]).all()
     assert float(coverage_ratio(host(st))) < 0.5 and due(st)
     grads, a, _ = _rotated_inputs(q2, 6)
@@ -374,12 +375,12 @@ def test_adaptive_bounds_and_bad_settings():
 
     st = COV_TX.init(_params())
     one = jnp.ones((1,), jnp.float32)
-    st = st._replace(refreshes=jnp.int32(1), coverage={KERNEL: 0.1 * one},
-                     coverage_ref={KERNEL: one})
+    st = st.with_members(coverage={KERNEL: 0.1 * one}, coverage_ref={KERNEL: one})._replace(
+        refreshes=jnp.int32(1))
     # stale, but inside min_refresh_every: not yet; at min: due
     assert not refresh_due_adaptive(st._replace(count=jnp.int32(0)), 0.5, 3, 9)
     assert refresh_due_adaptive(st._replace(count=jnp.int32(2)), 0.5, 3, 9)
-    fresh = st._replace(coverage={KERNEL: one})
+    fresh = st.with_members(coverage={KERNEL: one})
     assert not refresh_due_adaptive(fresh._replace(count=jnp.int32(7)), 0.5, 3, 9)
     assert refresh_due_adaptive(fresh._replace(count=jnp.int32(8)), 0.5, 3, 9)  # max
     for args, match in (((1.0, 1, 2), r"^refresh_threshold=1\.0 must be a number in \(0, 1\)$"),
@@ -421,8 +422,8 @@ def test_trainer_adaptive_refresh_bounded_by_max_interval_and_measures_coverage(
         x, GiftState)) if isinstance(s, GiftState)]
     assert int(gs.refreshes) == 2 and int(gs.count) == 1  # steps 0 and 3; step 4 ordinary
     path = "layers/0/mlp/down_proj/kernel"
-    assert sorted(gs.coverage) == [path]
-    cov, ref = float(gs.coverage[path][0]), float(gs.coverage_ref[path][0])
+    assert sorted(gs.member("coverage")) == [path]
+    cov, ref = float(gs.whitened[path].coverage[0]), float(gs.whitened[path].coverage_ref[0])
     # step 4 measured its own inputs' coverage (the reference is step 3's, from its A)
     assert 0.0 < cov <= 1.0 and 0.0 < ref <= 1.0 and cov != ref
     assert result.summary["skipped_steps"] == 0
@@ -442,7 +443,7 @@ def test_error_feedback_follows_a_layer_switching_to_euclidean():
     assert _use(st).all()
     e = np.asarray(_kernel(st.inner_state.residuals[0]))[:, 0]  # (D, N, M), W₁ frame
     assert np.abs(e).max() > 0
-    f1 = jax.tree.map(lambda x: x[0, 0], st.factors[KERNEL])
+    f1 = jax.tree.map(lambda x: x[0, 0], st.whitened[KERNEL].factor)
     owed = np.mean([np.asarray(wh.unwhiten(f1, jnp.asarray(x)), np.float64) for x in e], 0)
     out, st2 = step(_grads(jnp.zeros_like(g)), st, a)
     assert not _use(st2).any()

@@ -156,7 +156,8 @@ def test_gift_refresh_resets_residuals_and_builds_projected_factor():
     stage = functools.partial(gj.allreduce, "data", codec="fp8_e4m3", error_feedback=True)
     opt = _gift_opt(stage(), stage())
     state = gj.init_on_mesh(opt, params, _mesh())
-    assert _gift_state(state).stats[KERNEL].shape == (1, 32, 32)  # A in the layer's coordinates
+    # A in the layer's coordinates
+    assert _gift_state(state).whitened[KERNEL].stats.shape == (1, 32, 32)
     refresh, ordinary = _step(opt, state, True), _step(opt, state, False)
     stats_at = {0: _input_stats(rng), 3: _input_stats(rng)}
     for t in range(4):  # refresh, ordinary, ordinary, refresh
@@ -174,10 +175,10 @@ def test_gift_refresh_resets_residuals_and_builds_projected_factor():
     a = np.asarray(stats_at[3][KERNEL]).mean(0)
     m = np.asarray(state.leaves["mlp"]["down_proj"]["kernel"].projector[0]) / np.asarray(
         state.leaves["mlp"]["down_proj"]["kernel"].probs[0])[None, :]
-    ema = np.asarray(gs.stats[KERNEL][0])
+    ema = np.asarray(gs.whitened[KERNEL].stats[0])
     assert np.all(np.isfinite(ema)) and not np.allclose(ema, a)  # EMA of two refreshes
     want, _ = wh.make_factor(jnp.asarray(m.T @ ema @ m), "full_symmetric", damping=1e-3)
-    got = jax.tree.map(lambda x: np.asarray(x)[0], gs.factors[KERNEL])
+    got = jax.tree.map(lambda x: np.asarray(x)[0], gs.whitened[KERNEL].factor)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(x, y, rtol=2e-3, atol=1e-5)
 

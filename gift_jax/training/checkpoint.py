@@ -28,6 +28,8 @@ A checkpoint written with a different config is refused with the list of differi
 except the mesh (``mesh.data/fsdp/tensor/rules``): every array is a global array, restored
 onto the new run's shardings, so a run resumes on another mesh shape; only the per-device
 error-feedback buffers whose meaning follows the mesh restart from zero (with a warning).
+A checkpoint of a former state layout restores where each array's former path is known
+(:data:`FORMER_PATHS`: GIFT's state before it was one record per leaf).
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ from jax.experimental import multihost_utils
 
 from gift_jax.data.storage import local_or_url
 from gift_jax.training.config import config_differences, to_json
+from gift_jax.whitening.stage import former_state_path
 
 log = logging.getLogger(__name__)
 
 #: Every file of a checkpoint step with its size in bytes, written after orbax's commit.
 FILE_LISTING = "gift_jax_files.json"
+
+#: Where an array of today's state lived in a former layout (flat path → path or ``None``):
+#: a checkpoint that lacks a path is read at its former one.
+FORMER_PATHS = (former_state_path,)
 
 
 class CheckpointMismatchError(ValueError):
@@ -342,13 +349,16 @@ class Checkpointer:
         change allows: the per-device error-feedback buffers whose shapes and number follow
         the mesh (every shard owner's buffer when the mesh shape ``moved``; a replica's own
         buffer when the number of replicas changed) restart from zero, with a warning; every
-        other array must be there with the same shape and dtype (it is a global array,
-        restored onto the template's shardings)."""
+        other array must be there, at its path or a former one (:data:`FORMER_PATHS`), with
+        the same shape and dtype (it is a global array, restored onto the template's
+        shardings)."""
         stored = {_path_of(n): (n, sig) for n, sig in zip(meta["paths"], meta["shapes"],
                                                           strict=True)}
         sources, dropped = {}, 0
         for name, sig in zip(names, signatures, strict=True):
             old = stored.get(_path_of(name))
+            formers = (former(_path_of(name)) for former in FORMER_PATHS)
+            old = old or next((stored[f] for f in formers if f in stored), None)
             if old is not None and old[1] == sig and not (moved and _is_shard_residual(name)):
                 sources[name] = old[0]
             elif _is_residual(name):

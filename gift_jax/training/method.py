@@ -196,7 +196,7 @@ class GiftPlan(CommPlan):
         if frac is None:
             return {}
         out = {"gift/whitened_fraction": float(frac)}
-        for path, use in state.use_whitening.items():
+        for path, use in state.member("use_whitening").items():
             out[f"gift/whitened/{path}"] = float(jax.numpy.mean(use.astype("float32")))
         return out
 
@@ -206,7 +206,7 @@ class GiftPlan(CommPlan):
         gift_state = reset_error_feedback(optax.tree.get(inner_state, "GiftState"))
         approx, _ = stage.update(grads, gift_state)
         factors = {path: jax.tree.map(lambda x: x[0], f)
-                   for path, f in gift_state.factors.items()
+                   for path, f in gift_state.member("factor").items()
                    if all(x.shape[0] == 1 for x in jax.tree.leaves(f))}
         return approx, factors or None
 

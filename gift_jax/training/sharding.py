@@ -142,9 +142,12 @@ def _tokens(path) -> tuple[str, ...]:
     return tuple(out)
 
 
-#: GIFT's K-FAC statistics (``GiftState.stats`` / ``out_stats``): read only on refresh steps,
-#: so they are split over every model axis their dimensions divide (see :func:`spread`).
-STATISTICS_FIELDS = ("stats", "out_stats")
+#: GIFT's per-leaf states (``GiftState.whitened``) and, among their members, the K-FAC
+#: statistics (``GiftLeafState.stats`` / ``out_stats``): read only on refresh steps, so they
+#: are split over every model axis their dimensions divide (see :func:`spread`); the factors
+#: and the routing follow the parameter.
+GIFT_FIELDS = ("whitened",)
+STATISTICS_MEMBERS = ("stats", "out_stats")
 
 #: PLUMAGE's per-parameter states (``PlumageState.leaves``): projectors ``(batch, M, k)`` and
 #: moments ``(batch, k, N)`` are split over the model axes their parameter's split leaves
@@ -198,9 +201,9 @@ class ParamLayout:
     def spec_at(self, path, shape: tuple[int, ...]) -> P | None:
         """The spec of an array of ``shape`` at key ``path``: :func:`like_parameter` of the
         last parameter path in it, or ``None`` when no parameter's path is in it. GIFT's
-        statistics (under a :data:`STATISTICS_FIELDS` field) and PLUMAGE's per-parameter
-        states (:data:`LOWRANK_FIELDS`) are :func:`spread` over the model axes as well:
-        replicated over ``fsdp`` they were 15.5 GB (GIFT) and 4.3 GB (PLUMAGE) per chip on
+        statistics (:data:`STATISTICS_MEMBERS` of a :data:`GIFT_FIELDS` leaf) and PLUMAGE's
+        per-parameter states (:data:`LOWRANK_FIELDS`) are :func:`spread` over the model axes
+        as well: replicated over ``fsdp`` they were 15.5 GB (GIFT) and 4.3 GB (PLUMAGE) per chip on
         Llama-7B."""
         tokens = _tokens(path)
         for end in range(len(tokens), 0, -1):
@@ -209,10 +212,10 @@ class ParamLayout:
                 if hit is not None:
                     spec = like_parameter(hit[1], hit[0], tuple(shape))
                     field = tokens[start - 1] if start else None
-                    if field in STATISTICS_FIELDS:
+                    name = tokens[end] if end < len(tokens) else ""
+                    if field in GIFT_FIELDS and name in STATISTICS_MEMBERS:
                         spec = spread(spec, tuple(shape), self._mesh_shape)
                     elif field in LOWRANK_FIELDS and tuple(shape) != hit[0]:
-                        name = tokens[end] if end < len(tokens) else ""
                         rank = (RANK_DIMENSION[name],) if name in RANK_DIMENSION else ()
                         spec = spread(spec, tuple(shape), self._mesh_shape, rank)
                     return spec

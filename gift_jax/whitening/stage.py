@@ -70,7 +70,8 @@ W⁻¹·AR(W·G)``; :func:`gift_jax.comm.stage.transport_only`: the stage's code
 accumulation and shards, without error feedback), and exactly (fp32 ``pmean``, ``Ḡ``).  Per
 matrix ``[‖φ(Ĝ_E) − φ(Ḡ)‖², ‖φ(Ĝ_W) − φ(Ḡ)‖², ‖φ(Ḡ)‖²]`` (φ: :func:`frame_map`) decides:
 the matrix is sent whitened iff its whitened error is strictly smaller
-(``GiftState.use_whitening``; every input is a reduced value, so identical on every replica),
+(``GiftLeafState.use_whitening``; every input is a reduced value, so identical on every
+replica),
 until the next refresh.  The measurement costs two quantized all-reduces and one fp32
 all-reduce of the selected leaves on refresh steps only.  The transport is a traced
 ``jnp.where`` between ``W·G`` and ``G`` (and ``W⁻¹·Ĝ`` and ``Ĝ``): a decision is data, never
@@ -94,6 +95,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -117,12 +119,14 @@ from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
 __all__ = [
     "ROUTE_FRAMES",
     "GiftDimensionNumbers",
+    "GiftLeafState",
     "GiftState",
     "Settings",
     "gift",
     "coverage_basis",
     "coverage_bases",
     "coverage_ratio",
+    "former_state_path",
     "input_coverage",
     "refresh_due",
     "refresh_due_adaptive",
@@ -142,24 +146,74 @@ GiftDimensionNumbers = MatrixDimensionNumbers
 ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon")
 
 
+class GiftLeafState(NamedTuple):
+    """State of one whitened leaf.  B = product of its batch axes (1 for a plain 2-D kernel);
+    a member the stage's settings do not use is ``None`` (no arrays)."""
+
+    stats: jax.Array  # (B, n, n) f32: EMA of A = E[x xᵀ] (reduced)
+    factor: Any  # the factor pytree, every leaf with a leading (B,) axis
+    out_stats: jax.Array | None = None  # (B, m, m) f32: EMA of E[δ δᵀ] (two_sided)
+    basis: jax.Array | None = None  # (B, n, r) f32: top eigvecs (eig_method="subspace")
+    use_whitening: jax.Array | None = None  # (B,) bool: whitened transport in use (routing)
+    route_error: jax.Array | None = None  # (2, B) f32: [Euclidean, whitened] error (routing)
+    coverage: jax.Array | None = None  # (B,) f32: input coverage, last step (track_coverage)
+    coverage_ref: jax.Array | None = None  # (B,) f32: the same on the last refresh
+
+
+#: The members of :class:`GiftLeafState`.
+LEAF_MEMBERS = GiftLeafState._fields
+
+#: A flat state path (``'.'``-joined, as :mod:`gift_jax.training.checkpoint` names arrays)
+#: inside a :class:`GiftLeafState`: ``<prefix>whitened.<leaf path>.<member><rest>``.
+_LEAF_PATH = re.compile(r"^(?P<prefix>(?:.*\.)?)whitened\.(?P<leaf>.+?)\.(?P<member>"
+                        + "|".join(LEAF_MEMBERS) + r")(?P<rest>(?:\..*)?)$")
+
+
+def former_state_path(path: str) -> str | None:
+    """Where the array at a flat ``GiftState`` path lived in the state layout before it was one
+    :class:`GiftLeafState` per leaf (gift_jax until December 2026: one dict per member,
+    ``<prefix>stats.<leaf path>``, ``<prefix>factors.<leaf path>.<field>``, ...), so that
+    checkpoints of that layout restore; ``None`` for a path outside a leaf's state.
+
+    Args:
+      path: a ``'.'``-joined path (``'/'`` in dict keys also read as ``'.'``).
+
+    Returns:
+      The former path, or ``None``.
+    """
+    m = _LEAF_PATH.match(path)
+    if m is None:
+        return None
+    member = "factors" if m["member"] == "factor" else m["member"]
+    return f"{m['prefix']}{member}.{m['leaf']}{m['rest']}"
+
+
 class GiftState(NamedTuple):
-    """State of :func:`gift`.  B = product of a leaf's batch axes (1 for a plain 2-D kernel)."""
+    """State of :func:`gift`: counters, one :class:`GiftLeafState` per whitened leaf, and the
+    wrapped all-reduce stage's state."""
 
     count: jax.Array  # () int32: steps since the last refresh (0 on a refresh step)
     refreshes: jax.Array  # () int32: refreshes so far (0: factors are the identity)
     damped_fallbacks: jax.Array  # () int32: factors rebuilt with larger damping, cumulative
     identity_fallbacks: jax.Array  # () int32: factors replaced by the identity, cumulative
-    stats: dict[str, jax.Array]  # path -> (B, n, n) f32: EMA of A = E[x xᵀ] (reduced)
-    out_stats: dict[str, jax.Array]  # path -> (B, m, m) f32: EMA of E[δ δᵀ] (two_sided only)
-    basis: dict[str, jax.Array]  # path -> (B, n, r) f32: top eigvecs (eig_method="subspace")
-    factors: dict[str, Any]  # path -> factor pytree, every leaf with a leading (B,) axis
+    whitened: dict[str, GiftLeafState]  # leaf path -> its state
     inner_state: Any  # state of the wrapped all-reduce stage
-    # routing (empty dicts when route_frame="off", so older states keep their structure):
-    use_whitening: dict[str, jax.Array] = {}  # path -> (B,) bool: whitened transport in use
-    route_error: dict[str, jax.Array] = {}  # path -> (2, B) f32: [Euclidean, whitened] error
-    # staleness signal (empty unless track_coverage=True):
-    coverage: dict[str, jax.Array] = {}  # path -> (B,) f32: input coverage of the last step
-    coverage_ref: dict[str, jax.Array] = {}  # path -> (B,) f32: the same on the last refresh
+
+    def member(self, name: str) -> dict[str, Any]:
+        """``{leaf path: that leaf's member name}`` over the leaves where it is not ``None``
+        (e.g. ``member("factor")``: every factor; ``member("use_whitening")``: ``{}`` when
+        the stage does not route)."""
+        return {path: getattr(leaf, name) for path, leaf in self.whitened.items()
+                if getattr(leaf, name) is not None}
+
+    def with_members(self, **members: Mapping[str, Any]) -> GiftState:
+        """This state with, for each ``name=mapping``, member ``name`` of the leaves in
+        ``mapping`` replaced by its values."""
+        whitened = dict(self.whitened)
+        for name, values in members.items():
+            for path, value in values.items():
+                whitened[path] = whitened[path]._replace(**{name: value})
+        return self._replace(whitened=whitened)
 
     # Projection hook.  A stage before GIFT that sends projected coordinates R = MᵀG (PLUMAGE)
     # finds every GiftState in its communication state by these two members (no import of
@@ -167,7 +221,7 @@ class GiftState(NamedTuple):
     @property
     def layers(self) -> tuple[str, ...]:
         """Paths of the whitened layers (static)."""
-        return tuple(sorted(self.stats))
+        return tuple(sorted(self.whitened))
 
     def with_input_widths(self, widths: Mapping[str, int]) -> GiftState:
         """This state for coordinates ``R = MᵀG`` of layers whose input width is ``widths[path]``.
@@ -177,15 +231,15 @@ class GiftState(NamedTuple):
         projection ``M`` is applied when the factor is built, see ``gift_projection``).  The
         factors keep the coordinates' width ``k``: a layer is projected exactly when its
         statistics are wider than its updates."""
-        if self.out_stats:
+        if self.member("out_stats"):
             raise ValueError("gift: two_sided whitening cannot take projected coordinates "
                              "(its output-side factor needs the full-width gradient)")
-        if set(widths) != set(self.stats):
+        if set(widths) != set(self.whitened):
             raise ValueError(f"gift: input widths given for {sorted(widths)}, but the stage "
-                             f"whitens {sorted(self.stats)}")
+                             f"whitens {sorted(self.whitened)}")
         stats = {path: jnp.zeros((a.shape[0], widths[path], widths[path]), a.dtype)
-                 for path, a in self.stats.items()}
-        return self._replace(stats=stats)
+                 for path, a in self.member("stats").items()}
+        return self.with_members(stats=stats)
 
 
 def refresh_due(step: int, refresh_every: int) -> bool:
@@ -210,6 +264,18 @@ def frame_map(g: jax.Array, frame: str, factor: Any, adam_eps: float = 1e-8) -> 
     moments (:func:`~gift_jax.whitening.fidelity.adam_normalise`); ``"muon"`` φ(G) = the
     Newton–Schulz polar factor Muon applies (:func:`~gift_jax.whitening.fidelity.
     newton_schulz`).
+
+    Args:
+      g: one matrix (any float dtype; computed in fp32).
+      frame: ``"euclidean"``, ``"whitened"``, ``"adam"`` or ``"muon"``.
+      factor: the layer's whitener (read by ``"whitened"`` only).
+      adam_eps: ε of the ``"adam"`` frame.
+
+    Returns:
+      φ(G), fp32, of ``g``'s shape.
+
+    Raises:
+      ValueError: an unknown ``frame``.
     """
     from gift_jax.whitening import fidelity
 
@@ -230,17 +296,34 @@ def frame_errors(approx: jax.Array, ref: jax.Array, frame: str, factor: Any,
     """``[‖φ(Ĝ) − φ(G)‖², ‖φ(G)‖²]`` (shape (2,), fp32) of one matrix (:func:`frame_map`).
 
     Squared norms (not the ratio) so that replicas can average them before comparing: the
-    pooled relative error is √(Σ err² / Σ ref²)."""
+    pooled relative error is √(Σ err² / Σ ref²).
+
+    Args:
+      approx: the transported matrix Ĝ.
+      ref: the exact matrix G.
+      frame, factor, adam_eps: as :func:`frame_map`.
+
+    Returns:
+      ``[‖φ(Ĝ) − φ(G)‖², ‖φ(G)‖²]``, shape (2,), fp32.
+    """
     a, r = frame_map(approx, frame, factor, adam_eps), frame_map(ref, frame, factor, adam_eps)
     return jnp.stack([jnp.sum((a - r) ** 2), jnp.sum(r**2)])
 
 
 def whitened_fraction(state: GiftState) -> jax.Array | None:
     """Fraction of the selected matrices sent through the whitened transport (``None`` when
-    the stage does not route, ``route_frame="off"``)."""
-    if not state.use_whitening:
+    the stage does not route, ``route_frame="off"``).
+
+    Args:
+      state: a :class:`GiftState`.
+
+    Returns:
+      A () fp32 fraction, or ``None`` without routing.
+    """
+    use = state.member("use_whitening")
+    if not use:
         return None
-    flags = jnp.concatenate([jnp.ravel(u) for u in state.use_whitening.values()])
+    flags = jnp.concatenate([jnp.ravel(u) for u in use.values()])
     return jnp.mean(flags.astype(jnp.float32))
 
 
@@ -250,7 +333,14 @@ def coverage_basis(factor: Any) -> tuple[jax.Array, jax.Array] | None:
     block).  ``U, 1`` for :class:`~gift_jax.whitening.LowRankIsotropicFactor`;
     ``Q, D^{-1/2}`` for :class:`~gift_jax.whitening.LowRankDiagFactor` (its basis lives in the
     diagonally rescaled frame); the input side of a :class:`~gift_jax.whitening.KroneckerFactor`.
-    Works on stacked factors too (leading axes kept)."""
+    Works on stacked factors too (leading axes kept).
+
+    Args:
+      factor: a factor pytree (:mod:`gift_jax.whitening.factors`), possibly stacked.
+
+    Returns:
+      ``(B, S)`` or ``None``.
+    """
     if isinstance(factor, wh.KroneckerFactor):
         factor = factor.left
     if isinstance(factor, wh.LowRankDiagFactor):
@@ -273,6 +363,13 @@ def input_coverage(factor: Any, a: jax.Array) -> jax.Array:
     step; on the tiny model (docs/gift_results.md, refresh schedules, 3 seeds) the excess
     whitened-frame error of a factor refreshed every 10 steps correlates −0.87 … −0.93 with
     the input coverage ratio and −0.47 … −0.68 with the gradient's.
+
+    Args:
+      factor: one layer's factor (no batch axis).
+      a: the layer's input second moment ``A`` (n × n).
+
+    Returns:
+      The coverage, a () fp32 in [0, 1].
     """
     bs = coverage_basis(factor)
     if bs is None:
@@ -286,9 +383,16 @@ def input_coverage(factor: Any, a: jax.Array) -> jax.Array:
 def coverage_bases(state: GiftState) -> dict[str, tuple[jax.Array, jax.Array]]:
     """``{kernel path: (B (b, n, r), S (b, n))}`` of the selected layers whose factors have a
     basis (:func:`coverage_basis`): what :func:`gift_jax.whitening.capture.with_input_coverage`
-    needs on ordinary steps of a ``gift(track_coverage=True)`` stage."""
+    needs on ordinary steps of a ``gift(track_coverage=True)`` stage.
+
+    Args:
+      state: a :class:`GiftState`.
+
+    Returns:
+      ``{kernel path: (B, S)}`` of the layers whose factor has a basis.
+    """
     out = {}
-    for path, f in state.factors.items():
+    for path, f in state.member("factor").items():
         bs = coverage_basis(f)
         if bs is not None:
             out[path] = bs
@@ -297,16 +401,32 @@ def coverage_bases(state: GiftState) -> dict[str, tuple[jax.Array, jax.Array]]:
 
 def coverage_ratio(state: GiftState) -> jax.Array:
     """``min`` over the selected matrices of coverage / coverage just after the last refresh
-    (1 where the reference is 0); host side, from a replicated state."""
+    (1 where the reference is 0); host side, from a replicated state.
+
+    Args:
+      state: a :class:`GiftState` of a ``track_coverage=True`` stage.
+
+    Returns:
+      The smallest ratio, a () fp32.
+    """
     ratios = [jnp.ravel(jnp.where(ref > 0, cov / jnp.where(ref > 0, ref, 1.0), 1.0))
-              for cov, ref in zip(state.coverage.values(), state.coverage_ref.values(),
-                                  strict=True)]
+              for cov, ref in zip(state.member("coverage").values(),
+                                  state.member("coverage_ref").values(), strict=True)]
     return jnp.min(jnp.concatenate(ratios))
 
 
 def validate_adaptive_refresh(threshold: float, min_every: int, max_every: int) -> None:
     """A ``ValueError`` naming the setting unless ``0 < threshold < 1`` and
-    ``1 <= min_every <= max_every`` (ints)."""
+    ``1 <= min_every <= max_every`` (ints).
+
+    Args:
+      threshold: ``refresh_threshold``.
+      min_every: ``min_refresh_every``.
+      max_every: ``max_refresh_every``.
+
+    Raises:
+      ValueError: naming the setting out of range.
+    """
     if not (isinstance(threshold, (int, float)) and 0.0 < threshold < 1.0):
         raise ValueError(f"refresh_threshold={threshold!r} must be a number in (0, 1)")
     for name, v in (("min_refresh_every", min_every), ("max_refresh_every", max_every)):
@@ -325,8 +445,20 @@ def refresh_due_adaptive(state: GiftState, threshold: float, min_every: int,
 
     Reads three replicated scalars of ``state`` (one device→host sync per step, as PLUMAGE's
     adaptive rule).  ``min_every = max_every = K`` is the fixed schedule of :func:`refresh_due`.
+
+    Args:
+      state: the replicated :class:`GiftState` of a ``track_coverage=True`` stage.
+      threshold: refresh when the coverage ratio drops below this, in (0, 1).
+      min_every: the fewest steps between refreshes.
+      max_every: the most steps between refreshes.
+
+    Returns:
+      Whether the step about to run refreshes (passes ``gift_stats``).
+
+    Raises:
+      ValueError: ``state`` does not track coverage.
     """
-    if not state.coverage:
+    if not state.member("coverage"):
         raise ValueError("refresh_due_adaptive needs a gift(track_coverage=True) state")
     if int(state.refreshes) == 0:
         return True
@@ -484,7 +616,15 @@ class Settings:
 
 
 def identity_of(s: Settings, lay: MatrixView) -> Any:
-    """The identity factor of a layer whose updates have the layout ``lay`` (leading (B,))."""
+    """The identity factor of a layer whose updates have the layout ``lay`` (leading (B,)).
+
+    Args:
+      s: the stage's settings.
+      lay: the layout of the layer's updates.
+
+    Returns:
+      The identity factor pytree (one-sided or Kronecker), every leaf with a (B,) axis.
+    """
     left = wh.identity_factor(s.factor, lay.n_reduction, s.rank, s.block_size)
     if s.two_sided:
         right = wh.identity_factor(s.factor, lay.n_output, s.rank, s.block_size)
@@ -494,27 +634,34 @@ def identity_of(s: Settings, lay: MatrixView) -> Any:
 
 def init_state(s: Settings, params: Any) -> GiftState:
     """The state before the first refresh: zero statistics, identity factors (a pass-through
-    to ``inner``), every matrix routed whitened, zero coverage."""
-    sel = s.select(params)
-    stats, out_stats, basis, factors = {}, {}, {}, {}
-    for path, lay in sel.items():
-        b, n = lay.batch, lay.n_reduction
-        stats[path] = jnp.zeros((b, lay.n_reduction, lay.n_reduction), jnp.float32)
-        if s.two_sided:
-            out_stats[path] = jnp.zeros((b, lay.n_output, lay.n_output), jnp.float32)
-        if s.use_basis and s.rank < n:
-            basis[path] = jnp.zeros((b, n, min(s.rank, n)), jnp.float32)
-        factors[path] = identity_of(s, lay)
+    to ``inner``), every matrix routed whitened, zero coverage.
+
+    Args:
+      s: the stage's settings.
+      params: the parameters (or gradients) the stage will see, per device.
+
+    Returns:
+      The initial :class:`GiftState`, with ``inner``'s state.
+
+    Raises:
+      ValueError: a layer pattern that selects nothing, or missing dimension numbers.
+    """
+    def leaf(lay: MatrixView) -> GiftLeafState:
+        b, n, m = lay.batch, lay.n_reduction, lay.n_output
+        zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
+        cov = zeros(b) if s.track_coverage else None
+        return GiftLeafState(
+            stats=zeros(b, n, n), factor=identity_of(s, lay),
+            out_stats=zeros(b, m, m) if s.two_sided else None,
+            basis=zeros(b, n, min(s.rank, n)) if s.use_basis and s.rank < n else None,
+            use_whitening=jnp.ones((b,), bool) if s.routing else None,
+            route_error=zeros(2, b) if s.routing else None, coverage=cov, coverage_ref=cov)
+
     z = jnp.zeros((), jnp.int32)
-    per_matrix = lambda on, make: {p: make(lay) for p, lay in sel.items()} if on else {}
-    use = per_matrix(s.routing, lambda lay: jnp.ones((lay.batch,), bool))
-    err = per_matrix(s.routing, lambda lay: jnp.zeros((2, lay.batch), jnp.float32))
-    cov = per_matrix(s.track_coverage, lambda lay: jnp.zeros((lay.batch,), jnp.float32))
     return GiftState(
-        count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z, stats=stats,
-        out_stats=out_stats, basis=basis, factors=factors, inner_state=s.inner.init(params),
-        use_whitening=use, route_error=err, coverage=cov, coverage_ref=cov,
-    )
+        count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z,
+        whitened={path: leaf(lay) for path, lay in s.select(params).items()},
+        inner_state=s.inner.init(params))
 
 
 def check_stats(name: str, given: Any, want_shapes: Mapping[str, tuple[int, ...]]) -> dict:
@@ -599,19 +746,20 @@ def _refresh_statistics(s: Settings, state: GiftState, sel: Mapping[str, MatrixV
                         ) -> tuple[dict, dict, dict, dict, dict]:
     """A refresh's checked and reduced inputs: ``(stats, out_stats, finite, this step's A,
     projections {path: M} of the projected layers)``."""
-    widths = {path: state.stats[path].shape[-1] for path in sel}  # n: A's side
+    old_stats, old_out_stats = state.member("stats"), state.member("out_stats")
+    widths = {path: old_stats[path].shape[-1] for path in sel}  # n: A's side
     projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
     in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
     stats, finite, step_a = reduce_ema(s, check_stats("gift_stats", gift_stats, in_shapes),
-                                       state.stats)
-    out_stats = state.out_stats
+                                       old_stats)
+    out_stats = old_out_stats
     if s.two_sided:
         if gift_output_stats is None:
             raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
         out_stats, out_finite, _ = reduce_ema(
             s, check_stats("gift_output_stats", gift_output_stats,
                            {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
-            state.out_stats,
+            old_out_stats,
         )
         finite = {p: finite[p] & out_finite[p] for p in finite}
     elif gift_output_stats is not None:
@@ -639,14 +787,27 @@ def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_s
             gift_output_stats: Any, gift_projection: Any) -> GiftState:
     """The state after a refresh: statistics reduced and folded into the EMA, factors rebuilt
     (spread over the replicas unless ``distribute_refresh=False``), layers with non-finite
-    statistics on the identity, fallbacks counted; ``sel``: this step's update layouts."""
+    statistics on the identity, fallbacks counted; ``sel``: this step's update layouts.
+
+    Args:
+      s: the stage's settings.
+      state: the state before the refresh.
+      sel: ``{leaf path: MatrixView}`` of this step's updates.
+      gift_stats, gift_output_stats, gift_projection: as :func:`update`.
+
+    Returns:
+      The refreshed :class:`GiftState` (count 0, refreshes + 1).
+
+    Raises:
+      ValueError: statistics (or projections) with other keys or shapes than the layers.
+    """
     stats, out_stats, finite, step_a, projs = _refresh_statistics(
         s, state, sel, gift_stats, gift_output_stats, gift_projection)
     key = jax.random.fold_in(jax.random.key(s.seed), state.refreshes)
     jobs = {}
     for path, lay in sel.items():
         keys = jax.random.split(jax.random.fold_in(key, zlib.crc32(path.encode())), lay.batch)
-        bas = state.basis.get(path)
+        bas = state.whitened[path].basis
         if bas is not None:  # first refresh: no previous basis → random start
             bas = jnp.where(state.refreshes == 0, jax.random.normal(key, bas.shape), bas)
         jobs[path] = (stats[path], out_stats.get(path) if s.two_sided else None,
@@ -668,12 +829,11 @@ def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_s
         n_ident = n_ident + jnp.sum(status == 2).astype(jnp.int32)
     if s.track_coverage:
         cov = {p: jax.vmap(input_coverage)(factors[p], step_a[p]) for p in sel}
-        state = state._replace(coverage=cov, coverage_ref=cov)
-    return state._replace(
-        count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
-        damped_fallbacks=n_damped, identity_fallbacks=n_ident, stats=stats,
-        out_stats=out_stats, basis=basis, factors=factors,
-    )
+        state = state.with_members(coverage=cov, coverage_ref=cov)
+    return state.with_members(
+        stats=stats, out_stats=out_stats, basis=basis, factor=factors)._replace(
+            count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
+            damped_fallbacks=n_damped, identity_fallbacks=n_ident)
 
 
 # -------------------------------------------------------------------- transport
@@ -683,7 +843,18 @@ def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str,
               fn: Any, use: Mapping[str, jax.Array] | None = None) -> Any:
     """``fn`` (:func:`~gift_jax.whitening.whiten` or ``unwhiten``) on the selected leaves of
     ``updates``; with ``use`` (``{path: (B,) bool}``) only on the matrices routed through the
-    whitened transport — a traced select, so a routing change never recompiles."""
+    whitened transport — a traced select, so a routing change never recompiles.
+
+    Args:
+      updates: a pytree of per-device updates.
+      sel: ``{leaf path: MatrixView}`` of the selected leaves.
+      factors: ``{leaf path: factor pytree}`` with a leading (B,) axis.
+      fn: ``whiten`` or ``unwhiten`` of one matrix.
+      use: ``{leaf path: (B,) bool}``, or ``None`` for every matrix.
+
+    Returns:
+      ``updates`` with the selected matrices mapped, in their dtypes.
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     out = []
     for p, x in flat:
@@ -706,17 +877,27 @@ def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftS
     by the inner stage's transport (:func:`~gift_jax.comm.stage.transport_only`: its codec,
     scaling, accumulation and shards; no error feedback) and once exactly (fp32 ``pmean``),
     and each matrix is whitened where its whitened error in the frame is strictly smaller.
-    Every input of the decision is a reduced value: identical on every replica."""
+    Every input of the decision is a reduced value: identical on every replica.
+
+    Args:
+      s: the stage's settings (``route_frame`` on).
+      updates: this step's per-device gradients (the tree the inner stage reduces).
+      sel: ``{leaf path: MatrixView}`` of the selected leaves.
+      state: the state with this refresh's factors.
+
+    Returns:
+      ``state`` with each leaf's ``use_whitening`` (B,) and ``route_error`` (2, B) set.
+    """
     leaves = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
     g = {path: leaves[path] for path in sel}
     white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
-        state.factors[path], lay.to_matrix(g[path])), shape=g[path].shape).astype(
+        state.whitened[path].factor, lay.to_matrix(g[path])), shape=g[path].shape).astype(
             g[path].dtype) for path, lay in sel.items()}
     euclid, whitened = transport_only(s.reduce_stage, updates, g, white)
     use, err = {}, {}
     frame, eps = s.route_frame, s.route_adam_eps
     for path, lay in sel.items():
-        f = state.factors[path]
+        f = state.whitened[path].factor
         exact = lay.to_matrix(pmean(jnp.asarray(g[path], jnp.float32), s.axis_name))
         back = jax.vmap(wh.unwhiten)(f, lay.to_matrix(whitened[path]))
         errs = jax.vmap(lambda a, b, r, fi: jnp.stack([
@@ -725,23 +906,36 @@ def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftS
         e = errs.T  # (3, B): [err²(Euclidean), err²(whitened), ref²]
         use[path] = e[1] < e[0]
         err[path] = jnp.sqrt(e[:2] / jnp.maximum(e[2], 1e-30))
-    return state._replace(use_whitening=use, route_error=err)
+    return state.with_members(use_whitening=use, route_error=err)
 
 
 def measured_coverage(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
                       sums: Any) -> dict[str, jax.Array]:
     """This ordinary step's coverage per matrix from the callers' local sample sums
-    ``{path: lead + (2,)}`` (layers with a basis; the others keep 1), pmean'd."""
+    ``{path: lead + (2,)}`` (layers with a basis; the others keep 1), pmean'd.
+
+    Args:
+      s: the stage's settings (``track_coverage=True``).
+      state: the state of the step.
+      sel: ``{leaf path: MatrixView}`` of the selected leaves.
+      sums: ``gift_coverage``: ``{path: batch + (2,)}`` local sums ``[Σ‖BᵀSx‖², Σ‖Sx‖²]``.
+
+    Returns:
+      ``{leaf path: (B,) fp32}`` coverage.
+
+    Raises:
+      ValueError: ``sums`` missing, or with other keys or shapes.
+    """
     bases = coverage_bases(state)
     if not bases:  # no layer's factor has a basis: nothing can go stale
-        return state.coverage
+        return state.member("coverage")
     if sums is None:
         raise ValueError(
             "gift: track_coverage=True needs gift_coverage={path: [Σ‖BᵀSx‖², Σ‖Sx‖²]} on "
             "ordinary steps (gift_jax.whitening.capture.with_input_coverage with "
             "coverage_bases(state))")
     sums = check_stats("gift_coverage", sums, {p: sel[p].batch_shape + (2,) for p in bases})
-    cov = dict(state.coverage)
+    cov = state.member("coverage")
     for path, v in sums.items():
         v = pmean(jnp.asarray(v, jnp.float32).reshape(-1, 2), s.axis_name)
         cov[path] = v[:, 0] / jnp.maximum(v[:, 1], 1e-30)
@@ -753,14 +947,25 @@ def refresh_and_reframe(s: Settings, state: GiftState, sel: Mapping[str, MatrixV
                         gift_projection: Any, gift_route_updates: Any) -> GiftState:
     """A refresh step's state: :func:`refresh`, then :func:`route` (on
     ``gift_route_updates`` when given), then the inner stage's error feedback moved from the
-    old frame (``W₁`` where it was whitened, else ``I``) to the new one."""
-    old_factors, old_use = state.factors, state.use_whitening or None
+    old frame (``W₁`` where it was whitened, else ``I``) to the new one.
+
+    Args:
+      s: the stage's settings.
+      state: the state before the refresh.
+      sel: ``{leaf path: MatrixView}`` of this step's updates.
+      updates: this step's per-device gradients.
+      gift_stats, gift_output_stats, gift_projection, gift_route_updates: as :func:`update`.
+
+    Returns:
+      The refreshed, routed :class:`GiftState`, its inner error feedback in the new frame.
+    """
+    old_factors, old_use = state.member("factor"), state.member("use_whitening") or None
     state = refresh(s, state, sel, gift_stats, gift_output_stats, gift_projection)
     if s.routing:
         state = route(s, updates if gift_route_updates is None else gift_route_updates, sel,
                       state)
-    new_use = state.use_whitening or None
-    change = lambda t, old=old_factors, new=state.factors: transform(
+    new_factors, new_use = state.member("factor"), state.member("use_whitening") or None
+    change = lambda t, old=old_factors, new=new_factors: transform(
         transform(t, sel, old, wh.unwhiten, old_use), sel, new, wh.whiten, new_use)
     moved = jax.tree_util.tree_map_with_path(lambda p, _: leaf_path(p) in sel, updates)
     return state._replace(inner_state=reframe_error_feedback(
@@ -772,7 +977,26 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
            gift_coverage: Any = None, gift_route_updates: Any = None, **extra_args: Any
            ) -> tuple[Any, GiftState]:
     """The stage's update: refresh (when ``gift_stats`` is given) or count the step, then
-    ``W⁻¹ · inner(W · G)`` on the selected matrices routed whitened (``G`` elsewhere)."""
+    ``W⁻¹ · inner(W · G)`` on the selected matrices routed whitened (``G`` elsewhere).
+
+    Args:
+      s: the stage's settings.
+      updates: this replica's gradients (inside ``shard_map``).
+      state: the :class:`GiftState`.
+      params: passed to ``inner``.
+      gift_stats: on refresh steps only, ``{leaf path: batch + (n, n)}`` local ``E[xxᵀ]``.
+      gift_output_stats: with ``two_sided=True``, ``{leaf path: batch + (m, m)}``.
+      gift_projection: for layers fed projected coordinates, ``{leaf path: batch + (n, k)}``.
+      gift_coverage: with ``track_coverage=True``, on ordinary steps (module docstring).
+      gift_route_updates: on a routed refresh, the gradients to measure the routes on.
+      **extra_args: forwarded to ``inner``.
+
+    Returns:
+      ``(the reduced updates, in the Euclidean frame; the new state)``.
+
+    Raises:
+      ValueError: an argument given on the wrong kind of step, or with wrong keys/shapes.
+    """
     require_per_device(updates, s.comm_axis, "gift_jax.gift")
     sel = s.select(updates)
     if gift_coverage is not None and (gift_stats is not None or not s.track_coverage):
@@ -788,11 +1012,11 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
     else:
         state = state._replace(count=state.count + 1)
         if s.track_coverage:
-            state = state._replace(coverage=measured_coverage(s, state, sel, gift_coverage))
-    use = state.use_whitening or None
-    whitened = transform(updates, sel, state.factors, wh.whiten, use)
+            state = state.with_members(coverage=measured_coverage(s, state, sel, gift_coverage))
+    factors, use = state.member("factor"), state.member("use_whitening") or None
+    whitened = transform(updates, sel, factors, wh.whiten, use)
     reduced, inner_state = s.inner.update(whitened, state.inner_state, params, **extra_args)
-    out = transform(reduced, sel, state.factors, wh.unwhiten, use)
+    out = transform(reduced, sel, factors, wh.unwhiten, use)
     return out, state._replace(inner_state=inner_state)
 
 
@@ -849,7 +1073,7 @@ def gift(
         matrix and from that step's gradients, the round-trip error of both transports in this
         frame, on the reduced transports against the exact fp32 mean (module docstring;
         every replica takes the same decision) and sends the matrix whitened only where that is
-        strictly better, until the next refresh (``GiftState.use_whitening``).  Pick the frame
+        strictly better, until the next refresh (``GiftLeafState.use_whitening``).  Pick the frame
         the optimizer consumes: ``"adam"`` for AdamW, ``"muon"`` for Muon (the round-trip
         tables: whitening helps the whitened-frame and Muon errors but hurts the Euclidean and
         Adam errors under fp32 accumulation, so a fixed choice is wrong for one of them).

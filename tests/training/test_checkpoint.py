@@ -1,6 +1,7 @@
 """Checkpoints (:mod:`gift_jax.training.checkpoint`): bit-exact resume after Ctrl-C and after a
 crash, a config mismatch refused, an object-storage workdir end to end, and checkpoints written
-before a setting existed (or under the former ``comm.mode`` vocabulary) resuming bit-exactly."""
+before a setting existed (or under the former ``comm.mode`` vocabulary, or with the former
+layout of GIFT's state) resuming bit-exactly."""
 
 import json
 import runpy
@@ -139,6 +140,38 @@ def test_checkpoint_of_the_former_vocabulary_resumes_bit_exactly(tmp_path, monke
     meta = checkpointer.check_config()
     checkpointer.close()
     assert '"comm.mode": "gift_fp8"' in meta["config"] and "comm.method" not in meta["config"]
+    resumed = run(config, str(tmp_path), resume=True, stop_after=3)
+    assert resumed.step == 6
+    assert_trees_equal(resumed.params, full.params)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+
+
+def test_checkpoint_of_the_former_gift_state_layout_resumes_bit_exactly(tmp_path, monkeypatch):
+    """A checkpoint written when GIFT's state was one dict per member (``stats.<leaf>``,
+    ``factors.<leaf>.<field>``, ...; before :class:`GiftLeafState`) resumes and continues
+    exactly as the uninterrupted run: routed, with warm-started bases and error feedback."""
+    from gift_jax.training import checkpoint
+    from gift_jax.whitening.stage import former_state_path
+
+    config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2],
+                          **{"gift.route_frame": "adam", "gift.eig_method": "subspace"})
+    full = run(config, stop_after=6)
+    flat_paths = checkpoint._flat_paths
+
+    def former_layout(tree):
+        names, leaves, treedef = flat_paths(tree)
+        split = [name.split("_", 1) for name in names]
+        return ([f"{i}_{former_state_path(p) or p}" for i, p in split], leaves, treedef)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_flat_paths", former_layout)
+        run(config, str(tmp_path), stop_after=3)
+    checkpointer = checkpoint.Checkpointer(str(tmp_path), config)
+    paths = checkpointer.check_config()["paths"]
+    checkpointer.close()
+    members = ("stats", "factors", "basis", "use_whitening", "route_error")
+    assert all(any(f".{m}.layers." in p for p in paths) for m in members)
+    assert not any(".whitened." in p for p in paths)
     resumed = run(config, str(tmp_path), resume=True, stop_after=3)
     assert resumed.step == 6
     assert_trees_equal(resumed.params, full.params)

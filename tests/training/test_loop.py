@@ -443,9 +443,9 @@ def test_plumage_with_gift_whitening_runs_replica_identical(route):
         x, gj.GiftState)) if isinstance(s, gj.GiftState)]
     assert len(gifts) == 1 and int(gifts[0].refreshes) == 2  # PLUMAGE refreshes at 0 and 2
     if route != "off":  # routed on the step's coordinates (zeros would give errors of 0)
-        err = np.asarray(gifts[0].route_error["layers/0/mlp/down_proj/kernel"])
+        err = np.asarray(gifts[0].whitened["layers/0/mlp/down_proj/kernel"].route_error)
         assert err.shape == (2, 1) and (err > 0).all() and np.isfinite(err).all()
-        assert gifts[0].use_whitening["layers/0/mlp/down_proj/kernel"].shape == (1,)
+        assert gifts[0].whitened["layers/0/mlp/down_proj/kernel"].use_whitening.shape == (1,)
 
 
 def test_plumage_warns_once_when_no_leaf_is_projected(caplog):
@@ -483,9 +483,9 @@ def test_trainer_two_sided_gift_replicas_identical():
     (gs,) = [s for s in jax.tree.leaves(result.opt_state, is_leaf=lambda x: isinstance(
         x, GiftState)) if isinstance(s, GiftState)]
     assert int(gs.refreshes) == 2 and int(gs.identity_fallbacks) == 0  # steps 0 and 2
-    assert sorted(gs.out_stats) == ["layers/0/attn/o_proj/kernel",
+    assert sorted(gs.member("out_stats")) == ["layers/0/attn/o_proj/kernel",
                                     "layers/0/mlp/down_proj/kernel"]
-    for b in gs.out_stats.values():
+    for b in gs.member("out_stats").values():
         assert b.shape == (1, 32, 32) and float(jnp.trace(b[0])) > 0
     with pytest.raises(ConfigError, match=r"gift\.two_sided='yes' must be a bool"):
         validate_config(small_config("gift_fp8", **{"gift.two_sided": "yes"}), 8)

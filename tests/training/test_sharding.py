@@ -94,13 +94,15 @@ def test_optimizer_state_follows_its_parameter():
     assert layout.spec_at(gift_key, (1, 64, 8)) == P(None, "fsdp", None)
     assert layout.spec_at((jax.tree_util.GetAttrKey("count"),), ()) is None
     # GIFT's statistics A = E[xxᵀ] (n = 64 on fsdp): split over tensor as well, where it divides
-    stats = (jax.tree_util.GetAttrKey("stats"), *gift_key)
+    whitened = (jax.tree_util.GetAttrKey("whitened"), *gift_key)  # GiftState.whitened[path]
+    stats = (*whitened, jax.tree_util.GetAttrKey("stats"))
     assert layout.spec_at(stats, (1, 64, 64)) == P(None, "fsdp", "tensor")
     # no unsplit dimension divides: stacked on one that is split, where the product divides
     assert layout.spec_at(stats, (1, 64, 63)) == P(None, ("fsdp", "tensor"), None)
     assert layout.spec_at(stats, (1, 62, 63)) == P(None, "fsdp", None)  # nothing divides
-    assert layout.spec_at((jax.tree_util.GetAttrKey("basis"), *gift_key), (1, 64, 8)) == P(
-        None, "fsdp", None)  # everything else of GIFT's as before
+    for member in ("basis", "factor"):  # everything else of GIFT's follows the parameter
+        assert layout.spec_at((*whitened, jax.tree_util.GetAttrKey(member)), (1, 64, 8)) == P(
+            None, "fsdp", None)
     # PLUMAGE's projector (batch, M, k) of up_proj (M = 128 on tensor) is split over fsdp as
     # well, on M or the layer axis, never on the rank k
     leaves = (jax.tree_util.GetAttrKey("leaves"), *key)  # PlumageState.leaves
