@@ -15,11 +15,13 @@ import numpy as np
 from gift_jax.training import complete_config, train
 from gift_jax.training.config import set_fields
 from gift_jax.training.recipe import Recipe
+from gift_jax.utils.cpu_devices import FORCE_COUNT_FLAG
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 24  # num_steps of every config here (smoke runs stop early with stop_after)
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 
 def script_env(**changes: str | None) -> dict[str, str]:
     """The environment of a script a test starts: this process's, with the device count taken
@@ -28,7 +30,7 @@ def script_env(**changes: str | None) -> dict[str, str]:
     (``None`` removes a variable)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_force_host_platform_device_count"))
+                                if not f.startswith(FORCE_COUNT_FLAG))
     for name, value in changes.items():
         if value is None:
             env.pop(name, None)
@@ -67,7 +69,6 @@ def synthetic_batches(split, global_batch, seq_len, *, seed, start_step, process
         k += 1
 
 
-
 def interrupting_batches(at: int):
     """:func:`synthetic_batches` that send this process SIGINT (a Ctrl-C) while training batch
     ``at`` (0-based) is prepared, i.e. during step ``at``."""
@@ -79,6 +80,7 @@ def interrupting_batches(at: int):
             yield batch
 
     return batches
+
 
 #: The former comm.mode values as (comm.codec, comm.method) (base.py's low-precision codec is
 #: fp8_e4m3); the tests name runs by these labels.

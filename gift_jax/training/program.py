@@ -56,7 +56,6 @@ class Program:
         self.update_rule = update_rule  # kept alive: its id is part of the cache key
         self.optimizer: Optimizer = build_optimizer(recipe, data_axes(mesh), update_rule,
                                                     shards=self.layout.local_shards(mesh))
-        self.compiler_options = compiler_options
         self.init_params = params_init_fn(self.model_config, recipe.seed, mesh, self.layout,
                                           compiler_options=compiler_options)
         abstract_params = jax.eval_shape(self.init_params)
@@ -78,13 +77,14 @@ class Program:
     def evaluate(self) -> Callable:
         """Jitted ``(params, batch) → mean loss``."""
         return eval_step_fn(self.model_def, self.mesh, self.layout,
-                            compiler_options=self.compiler_options)
+                            compiler_options=self.step.compiler_options)
 
     @functools.cached_property
     def diagnose(self) -> Callable:
         """Jitted fidelity diagnostic (:func:`~gift_jax.training.step.fidelity_fn`)."""
         return fidelity_fn(self.model_def, self.optimizer, self.mesh, self.step.opt_specs,
-                           self._accum, self.layout, compiler_options=self.compiler_options)
+                           self._accum, self.layout,
+                           compiler_options=self.step.compiler_options)
 
 
 def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options,
