@@ -32,7 +32,25 @@ DEFAULT_CODECS = (("fp32", None), ("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2
 
 def allreduce_wire(shapes: dict, mesh, codec: str, block_size: int | None = None,
                    axis: str = "data") -> WireReport:
-    """HLO wire report of one quantized all-reduce of gradients with these shapes."""
+    """HLO wire report of one quantized all-reduce of gradients with these shapes.
+
+    The reduction is :func:`~gift_jax.comm.collectives.quantized_psum` (``mean=True``) inside
+    ``jax.shard_map``, lowered and compiled for fp32 gradients but never run.
+
+    Args:
+      shapes: a pytree of the per-device gradient leaves, anything with ``.shape`` (e.g.
+        ``jax.ShapeDtypeStruct`` from :func:`gift_jax.models.param_shapes`); dtypes are
+        ignored (fp32).
+      mesh: the device mesh; it must have the axis ``axis``.
+      codec: a codec name (:data:`gift_jax.comm.codecs.CODEC_NAMES`), e.g. ``"fp8_e4m3"``.
+      block_size: elements per fp32 scale for block-scaled codecs; ``None``: one scale per
+        tensor (``mxfp8``/``nvfp4``: their fixed blocks).
+      axis: the mesh axis the gradients are reduced over.
+
+    Returns:
+      The :class:`~gift_jax.comm.wire.WireReport` of the compiled function (``.total``: bytes
+      per device).
+    """
     n = mesh.shape[axis]
 
     def body(tree):
@@ -53,6 +71,17 @@ def wire_table(shapes: dict, mesh, codecs=DEFAULT_CODECS) -> list[dict]:
 
     The ideal ratio counts element bits and per-row scales; the measured one also includes
     per-leaf scales and the padding of leaves to whole rows and of buckets to whole shards.
+
+    Args:
+      shapes: the per-device gradient shapes, as for :func:`allreduce_wire`.
+      mesh: a mesh with a ``data`` axis (the axis reduced over).
+      codecs: ``(codec name, block_size)`` pairs, one row each; ``"fp32"`` rows reuse the
+        baseline.
+
+    Returns:
+      One dict per codec with ``codec``, ``block_size``, ``bytes_per_device`` (per step),
+      ``ratio_to_fp32``, ``ideal_ratio`` (:attr:`~gift_jax.comm.codecs.Codec.ideal_ratio`)
+      and ``over_ideal`` (measured / ideal ratio).
     """
     base = allreduce_wire(shapes, mesh, "fp32").total
     rows = []
@@ -67,7 +96,16 @@ def wire_table(shapes: dict, mesh, codecs=DEFAULT_CODECS) -> list[dict]:
 
 
 def best_time(fn, *args, repeats: int) -> float:
-    """Best wall time of ``fn(*args)`` over ``repeats`` blocked calls, after one warm-up."""
+    """Best wall time of ``fn(*args)`` over ``repeats`` blocked calls, after one warm-up.
+
+    Args:
+      fn: the callable to time (usually jitted).
+      *args: its arguments, the same on every call.
+      repeats: timed calls (at least 1).
+
+    Returns:
+      The fastest call's wall-clock seconds.
+    """
     return min(interleaved_times({"case": lambda: fn(*args)}, repeats)["case"])
 
 
@@ -78,6 +116,21 @@ def quantize_throughput(num_elements: int = 1 << 24, codec: str = "fp8_e4m3",
     ``cast``: ``x.astype(float8)`` (no scaling, no saturation: the floor any quantizer pays);
     ``per_block``: block absmax → scale → saturating cast → uint8 bytes + fp32 scales;
     ``per_tensor``: one absmax pass over the tensor, then scale → cast (one more read).
+
+    Args:
+      num_elements: length of the fp32 input (standard normal); a multiple of
+        ``block_size`` and of :data:`~gift_jax.comm.codecs.DEFAULT_ROW_SIZE` (128).
+      codec: an 8-bit codec name that takes ``block_size`` (e.g. ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``).
+      block_size: elements per scale of the ``per_block`` path.
+      repeats: timed calls per path (best of).
+      seed: PRNG seed of the input.
+
+    Returns:
+      A dict: ``platform``, ``elements``, ``codec``, ``block_size``; seconds ``cast_s``,
+      ``per_block_s``, ``per_tensor_s``; ``per_block_over_cast`` and ``per_tensor_over_cast``
+      (time ratios); and ``cast_GBps``, ``per_block_GBps``, ``per_tensor_GBps`` (GB/s of fp32
+      read).
     """
     blocked = get_codec(codec, block_size)
     tensor = get_codec(codec)
@@ -127,6 +180,28 @@ def kernel_check(name: str, block_size: int | None = None, elements: int = 1 << 
     ``decode × scale + sum`` into an FMA and the other does not (reported as a max
     difference). Throughput: bytes per :func:`gift_jax.comm.kernels.roofline.traffic` over the best
     time, and, with ``hbm_GBps``, as a fraction of that bandwidth.
+
+    Args:
+      name: the codec name (:data:`gift_jax.comm.codecs.CODEC_NAMES`).
+      block_size: elements per fp32 scale; ``None``: one scale per tensor (``mxfp8``/
+        ``nvfp4``: their fixed blocks).
+      elements: input size, rounded down to whole rows of the codec; the rows get
+        log-normally spread magnitudes.
+      num_chunks: stacked copies of the quantized input that dequantize-accumulate sums (the
+        replicas summed per shard).
+      repeats: timed calls per kernel (best of).
+      hbm_GBps: the device's memory bandwidth in GB/s; ``None`` (or 0): no
+        ``*_fraction_of_hbm`` entries.
+      seed: PRNG seed of the input and of the stochastic-rounding bits.
+
+    Returns:
+      A dict: ``codec``, ``block_size``, ``platform``, ``elements``, ``chunks``; the bit
+      checks ``quantize_bitwise_equal``, ``quantize_stochastic_bitwise_equal``,
+      ``accumulate_bitwise_equal`` and ``accumulate_max_rel_diff`` (max abs difference over
+      max abs reference); per timed case (``cast``, ``quantize_pallas``, ``quantize_xla``,
+      ``accumulate_pallas``, ``accumulate_xla``) ``<case>_ms``, and except ``cast``
+      ``<case>_GBps`` (and ``<case>_fraction_of_hbm``); ``quantize_pallas_over_xla`` and
+      ``accumulate_pallas_over_xla`` (time ratios).
     """
     platform = qk.device_platform()
     codec = get_codec(name, block_size)

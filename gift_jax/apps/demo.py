@@ -35,7 +35,22 @@ DEMO_MODES = ("fp32", "fp8", "gift_fp8", "plumage")
 
 def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
     """The tiny config with the ``(comm.codec, comm.method)`` of demo mode ``mode`` and a
-    short schedule."""
+    short schedule.
+
+    Args:
+      mode: one of :data:`DEMO_MODES`.
+      steps: training steps (>= 1); warm-up is a tenth of them (at most ``steps - 1``), eval
+        and diagnostics run every quarter, logging every twentieth, no checkpoints.
+      config_file: path of the tiny config file (``configs/tiny.py``).
+
+    Returns:
+      The completed and overridden ``ml_collections.ConfigDict``.
+
+    Raises:
+      ValueError: ``mode`` is not a demo mode.
+      ConfigError: the config file is missing or defines no ``get_config()`` (a
+        ``ValueError``).
+    """
     if mode not in DEMO_MODES:
         raise ValueError(f"demo mode {mode!r} is not one of {', '.join(DEMO_MODES)}")
     config = complete_config(load_config(config_file))
@@ -52,7 +67,16 @@ def demo_config(mode: str, steps: int, config_file: str | os.PathLike):
 def describe_mode(mode: str, config) -> str:
     """The table's label of demo mode ``mode`` run with ``config``: the mode and the settings
     that define it, e.g. ``fp8 (e4m3, per tensor)``, ``gift_fp8 (rank 32, K = 50)``,
-    ``plumage (rank 32, τ = 50, FP8 wire)``."""
+    ``plumage (rank 32, τ = 50, FP8 wire)``.
+
+    Args:
+      mode: the demo mode's name (the label's first word).
+      config: the run's config (as :func:`demo_config` returns it); its ``comm``, ``gift``
+        and ``plumage`` settings give the details.
+
+    Returns:
+      ``"<mode> (<details>)"``, or ``mode`` alone when there are no details to add.
+    """
     comm = config.comm
     codec = get_codec(comm.codec)
     if comm.method == "gift":
@@ -101,6 +125,27 @@ def run_demo(out_dir: str | os.PathLike, config_file: str | os.PathLike, steps: 
 
     ``config_file`` is the tiny config (``configs/tiny.py`` in the repository; the scripts pass
     it); ``compiler_options`` go to the trainer.
+
+    Args:
+      out_dir: the folder of the runs; ``<out_dir>/<mode>`` is replaced when it holds only a
+        previous run's artefacts.
+      config_file: path of the tiny config file.
+      steps: training steps per mode (see :func:`demo_config`).
+      modes: the demo modes to train, in table order (a subset of :data:`DEMO_MODES`).
+      data, data_dir: the corpus spec and its folder, passed to
+        :func:`gift_jax.training.train` (``None``: the config's).
+      show_progress: show the trainer's progress bar.
+      compiler_options: XLA compiler options for the trainer's jitted steps.
+
+    Returns:
+      One dict per mode: ``mode``, ``label`` (:func:`describe_mode`), ``eval_loss``,
+      ``final_train_loss``, ``wire_vs_fp32`` (mean wire bytes per step / fp32 all-reduce),
+      ``roundtrip_rel_l2`` and ``roundtrip_whitened`` (last diagnostic; NaN when absent),
+      ``tokens_per_s`` and ``workdir``.
+
+    Raises:
+      ValueError: a mode is not a demo mode, or a workdir holds files that are not a
+        previous run's.
     """
     rows = []
     for mode in modes:
@@ -136,7 +181,15 @@ def _cell(value, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The Markdown comparison table of :func:`run_demo`'s rows (the README's demo table)."""
+    """The Markdown comparison table of :func:`run_demo`'s rows (the README's demo table).
+
+    Args:
+      rows: dicts as :func:`run_demo` returns them (``label`` falls back to ``mode``; a
+        missing, ``None`` or NaN value reads :data:`MISSING`).
+
+    Returns:
+      The table as one string: header, separator and a line per row.
+    """
     columns = [("eval_loss", ".4f"), ("final_train_loss", ".4f"), ("wire_vs_fp32", ".3f"),
                ("roundtrip_rel_l2", ".2e"), ("roundtrip_whitened", ".2e"),
                ("tokens_per_s", ".0f")]

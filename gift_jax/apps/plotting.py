@@ -18,7 +18,17 @@ from etils import epath
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
-    """The records of a run's ``metrics.jsonl``."""
+    """The records of a run's ``metrics.jsonl``.
+
+    Args:
+      workdir: a training workdir (local path or any ``etils.epath`` path).
+
+    Returns:
+      One dict per non-empty line of ``<workdir>/metrics.jsonl``, in file order.
+
+    Raises:
+      FileNotFoundError: the workdir has no ``metrics.jsonl``.
+    """
     path = epath.Path(workdir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is {workdir} a training workdir?)")
@@ -26,7 +36,14 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
 
 
 def unique_labels(labels: Sequence[str]) -> list[str]:
-    """``labels`` with repeats numbered (``fp8``, ``fp8 (2)``), so no run is dropped."""
+    """``labels`` with repeats numbered (``fp8``, ``fp8 (2)``), so no run is dropped.
+
+    Args:
+      labels: run labels, possibly repeated.
+
+    Returns:
+      The labels in order, the n-th repeat of a label (n >= 2) suffixed `` (n)``.
+    """
     seen: dict[str, int] = {}
     out = []
     for label in labels:
@@ -38,7 +55,15 @@ def unique_labels(labels: Sequence[str]) -> list[str]:
 def path_labels(workdirs: Sequence[str | os.PathLike]) -> list[str]:
     """A label per workdir: the shortest suffix of its path (in folders) that no other
     workdir shares (``a/fp8``, ``b/fp8`` for two runs named ``fp8``; the folder name alone
-    when it is unique). The same directory given twice is numbered (:func:`unique_labels`)."""
+    when it is unique). The same directory given twice is numbered (:func:`unique_labels`).
+
+    Args:
+      workdirs: the runs' folders (relative paths are resolved against the current
+        directory first).
+
+    Returns:
+      One label per workdir, in order.
+    """
     parts = [pathlib.Path(os.path.abspath(w)).parts for w in workdirs]
     labels = []
     for i, mine in enumerate(parts):
@@ -51,7 +76,15 @@ def path_labels(workdirs: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
-    """Centred moving average over ``window`` points (fewer at the ends)."""
+    """Centred moving average over ``window`` points (fewer at the ends).
+
+    Args:
+      values: the series.
+      window: points averaged (an even window acts as ``window + 1``; < 1 as 1).
+
+    Returns:
+      The smoothed series, as long as ``values``.
+    """
     half = max(window, 1) // 2
     n = len(values)
     out = []
@@ -63,7 +96,15 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 def difference_to(reference: Sequence[tuple[int, float]],
                   run: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
-    """``(step, run loss − reference loss)`` at the steps both runs logged."""
+    """``(step, run loss − reference loss)`` at the steps both runs logged.
+
+    Args:
+      reference: ``(step, loss)`` pairs of the reference run.
+      run: ``(step, loss)`` pairs of the other run.
+
+    Returns:
+      ``(step, difference)`` pairs in ``run``'s order, for the steps present in both.
+    """
     ref = dict(reference)
     return [(step, value - ref[step]) for step, value in run if step in ref]
 
@@ -74,7 +115,20 @@ def _series(records: Iterable[dict], key: str) -> list[tuple[int, float]]:
 
 def difference_table(runs: Sequence[tuple[str, str | os.PathLike]], reference: str) -> str:
     """Markdown: per run, the largest ``|train loss − reference's|`` over the steps both
-    logged, and the last eval losses' difference."""
+    logged, and the last eval losses' difference.
+
+    Args:
+      runs: ``(label, workdir)`` pairs; labels should be distinct (a repeated label keeps
+        only its last run).
+      reference: the label of the run to compare with (one of ``runs``' labels).
+
+    Returns:
+      The Markdown table, one line per run (the reference's own included); NaN where a run
+      has no common train step or no eval loss.
+
+    Raises:
+      FileNotFoundError: a workdir without ``metrics.jsonl``.
+    """
     records = {label: read_metrics(workdir) for label, workdir in runs}
     ref_train, ref_eval = _series(records[reference], "loss"), _series(records[reference],
                                                                       "eval/loss")

@@ -119,7 +119,16 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
     (fusions, matmuls, kernels) between each ``*-start`` and its ``*-done``, and how many of
     its matmul-bearing ops (the backward pass's, and any after the reduction) are scheduled
     after the first of those collectives starts: a reduction overlapped with the backward
-    pass would leave most of them after it."""
+    pass would leave most of them after it.
+
+    Args:
+      hlo_text: the compiled module's text (``compiled.as_text()``, scheduled order).
+      mesh: the mesh it was compiled for (maps replica groups to mesh axes).
+      axes: the mesh axes whose collectives count (the data axes).
+
+    Returns:
+      The :class:`Overlap` of that computation; all zeros when no collective spans ``axes``.
+    """
     comps = _computations(hlo_text)
     best = None
     for body in comps.values():
@@ -227,7 +236,14 @@ def dcn_bytes(hlo_text: str) -> float:
     """Bytes one device sends across slices per step: on a multi-slice TPU job the compiler
     splits each collective whose groups span slices into an ICI collective inside the slice
     and host-transfer ``send``/``recv`` pairs through the MegaScale runtime (the DCN); this
-    sums the ``send`` payloads."""
+    sums the ``send`` payloads.
+
+    Args:
+      hlo_text: the compiled module's text (``compiled.as_text()``).
+
+    Returns:
+      The summed payload bytes of the MegaScale ``send`` ops (0.0 on a single slice).
+    """
     total = 0.0
     for line in hlo_text.splitlines():
         m = _DCN_SEND.search(line)
@@ -241,7 +257,23 @@ def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequen
                 num_devices: int, intra: int = 1) -> ml_collections.ConfigDict:
     """``config`` with the codec and method of ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh whose ``data`` replicas reduce in groups of ``intra`` first
-    (``mesh.intra_size``; 1: flat), validated for ``num_devices`` (raises ``ConfigError``)."""
+    (``mesh.intra_size``; 1: flat), validated for ``num_devices`` (raises ``ConfigError``).
+
+    Args:
+      config: a trainer config (completed here; not changed).
+      mode: a key of :data:`MODES` (``fp32``, ``fp8``, ``gift_fp8``, ``plumage_fp8``).
+      mesh_shape: ``(data, fsdp, tensor)`` sizes.
+      num_devices: the devices the mesh must cover.
+      intra: data replicas that reduce together first (``mesh.intra_size``).
+
+    Returns:
+      The completed config with ``comm.codec``, ``comm.method`` and the ``mesh`` sizes set.
+
+    Raises:
+      KeyError: ``mode`` is not a key of :data:`MODES`.
+      ConfigError: a setting is invalid for ``num_devices`` (e.g. the mesh does not cover
+        them).
+    """
     codec, method = MODES[mode]
     data, fsdp, tensor = mesh_shape
     config = set_fields(complete_config(config), {
@@ -256,10 +288,28 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
                  refresh: bool = False, topology=None, intra: int = 1) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
-    ``refresh``: the refresh variant as well (GIFT/PLUMAGE). ``topology``: the
-    :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile). ``intra``:
-    replicas that reduce together first (``mesh.intra_size``; the replicas of one slice
-    make only the quantized reduction cross the data-centre network)."""
+
+    Args:
+      config: a trainer config (see :func:`mode_config`).
+      mode: a key of :data:`MODES`.
+      mesh_shape: ``(data, fsdp, tensor)`` sizes; their product is ``len(devices)``.
+      devices: the devices, e.g. :func:`gift_jax.utils.tpu.topology_devices` or simulated CPU
+        devices; ``None``: ``jax.devices()``.
+      refresh: the refresh variant as well (GIFT/PLUMAGE); a mode without one compiles only
+        the ordinary step.
+      topology: the :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile):
+        fills ``topology``, ``hbm_bytes`` and the DCN/ICI split; ``None``: not a TPU job.
+      intra: replicas that reduce together first (``mesh.intra_size``; the replicas of one
+        slice make only the quantized reduction cross the data-centre network).
+
+    Returns:
+      One :class:`PodCompile` per compiled variant, ordinary first (the schedule overlap
+      only when the devices are TPUs).
+
+    Raises:
+      KeyError: ``mode`` is not a key of :data:`MODES`.
+      ConfigError: the config is invalid on this mesh (from :func:`mode_config`).
+    """
     devices = jax.devices() if devices is None else list(devices)
     data, fsdp, tensor = mesh_shape
     config = mode_config(config, mode, mesh_shape, len(devices), intra)
@@ -301,7 +351,15 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
 
 
 def markdown_table(rows: Sequence[PodCompile | dict[str, Any]]) -> str:
-    """The compiled steps (or their :meth:`PodCompile.row` dicts) as a markdown table."""
+    """The compiled steps (or their :meth:`PodCompile.row` dicts) as a markdown table.
+
+    Args:
+      rows: :class:`PodCompile` records or row dicts, mixed freely.
+
+    Returns:
+      The table (columns: every key in first-seen order; ``-`` where a row lacks one), or
+      ``""`` for no rows.
+    """
     rows = [r.row() if isinstance(r, PodCompile) else r for r in rows]
     if not rows:
         return ""

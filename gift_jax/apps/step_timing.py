@@ -54,6 +54,21 @@ def step_times(
     Returns one row per configuration: ``ordinary_best``, ``ordinary_median`` and, when the
     configuration has a refresh variant (GIFT, PLUMAGE), ``refresh_best``,
     ``refresh_median`` and ``refresh_every``; ``None`` otherwise.
+
+    Args:
+      configs: ``{name: config}`` of completed, valid trainer configs; each is built into a
+        :class:`~gift_jax.training.program.Program` on ``mesh`` and fed one random batch of
+        ``train.global_batch_size`` × ``train.seq_len + 1`` tokens.
+      mesh: the mesh every configuration runs on.
+      repeats: timed ordinary steps per configuration.
+      refresh_repeats: timed refresh steps per configuration that has them.
+      seed: seed of the random token batch.
+      compiler_options: XLA compiler options for the jitted steps (``None``: the defaults).
+
+    Returns:
+      One dict per configuration, in ``configs`` order: ``config`` (its name),
+      ``ordinary_best`` and ``ordinary_median`` in seconds, ``refresh_best`` and
+      ``refresh_median`` (``None`` without a refresh variant) and ``refresh_every``.
     """
     cases, rounds, every = {}, {}, {}
     for name, config in configs.items():

@@ -68,7 +68,16 @@ class Bucket:
         return ids
 
     def pack(self, leaves: list[jax.Array]) -> jax.Array:
-        """The bucket's leaves (float32) → ``f32[rows, row_size]``."""
+        """The bucket's leaves (float32) → ``f32[rows, row_size]``.
+
+        Args:
+          leaves: every leaf of the flattened pytree, indexed by :attr:`Slot.leaf` (leaves of
+            other buckets are ignored); any float dtype, each of its slot's shape.
+
+        Returns:
+          The packed buffer: each slot's tensor flattened from its :attr:`Slot.row_offset`,
+          zero-padded to whole rows, then zero rows up to :attr:`rows`.
+        """
         B = self.codec.row_size
         parts = []
         for s in self.slots:
@@ -79,7 +88,16 @@ class Bucket:
         return jnp.concatenate(parts).reshape(self.rows, B)
 
     def unpack(self, buf: jax.Array) -> dict[int, jax.Array]:
-        """``f32[rows, row_size]`` → ``{leaf index: f32 array of the leaf's shape}``."""
+        """``f32[rows, row_size]`` → ``{leaf index: f32 array of the leaf's shape}``.
+
+        Args:
+          buf: a buffer laid out as :meth:`pack` makes it (``f32[rows, row_size]``, or any
+            array of ``rows · row_size`` elements).
+
+        Returns:
+          ``{leaf index: array}`` for the leaves of this bucket only, each in its full shape
+          (the slots of a stacked leaf concatenated back), padding dropped.
+        """
         flat = buf.reshape(-1)
         B = self.codec.row_size
         pieces: dict[int, list[jax.Array]] = {}

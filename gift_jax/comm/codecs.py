@@ -282,7 +282,15 @@ def codec_variants(block_size: int = 128) -> tuple[Codec, ...]:
     """Every wire format the quantized all-reduce produces (all but fp32's plain ``psum``):
     each codec per tensor (or on its fixed blocks), and each that
     :attr:`~Codec.supports_block_scaling` on blocks of ``block_size`` too. What a check over
-    "every codec" iterates, so that a new codec is checked everywhere."""
+    "every codec" iterates, so that a new codec is checked everywhere.
+
+    Args:
+      block_size: elements per fp32 scale of the per-block variants.
+
+    Returns:
+      The :class:`Codec` s: every codec but fp32 per tensor (``mxfp8`` and ``nvfp4`` on their
+      fixed blocks), then each block-scalable codec on blocks of ``block_size``.
+    """
     per_tensor = tuple(get_codec(n) for n in CODEC_NAMES if not Codec(n).is_exact)
     return per_tensor + tuple(get_codec(n, block_size) for n in block_scaled_codecs())
 
@@ -314,6 +322,14 @@ def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
 
     The non-finite check is an explicit boolean reduction: a float ``max`` reduction is not
     guaranteed to propagate NaN once XLA fuses and vectorises it (on CPU it does not).
+
+    Args:
+      x: a float array (not empty).
+      axis: the axis or axes reduced over, as in ``jnp.max``; ``None``: all of ``x``.
+      keepdims: keep the reduced axes with size 1.
+
+    Returns:
+      float32 ``max |x|`` per group, ``+inf`` for a group holding a NaN or Inf.
     """
     finite = jnp.isfinite(x)
     amax = jnp.max(jnp.abs(jnp.where(finite, x, 0.0)), axis=axis, keepdims=keepdims)
@@ -322,14 +338,32 @@ def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
 
 
 def amax_to_scale(amax: jax.Array, fmax: float) -> jax.Array:
-    """``amax / fmax``; 1 for an all-zero group; NaN for a non-finite ``amax``."""
+    """``amax / fmax``; 1 for an all-zero group; NaN for a non-finite ``amax``.
+
+    Args:
+      amax: absolute maxima of the scaled groups, any shape (cast to float32).
+      fmax: the magnitude ``amax`` is mapped onto (:attr:`Codec.fmax`; ``448 · 6`` for NVFP4's
+        leaf scale).
+
+    Returns:
+      The float32 scales, shaped like ``amax``.
+    """
     amax = amax.astype(jnp.float32)
     scale = jnp.where(amax == 0, jnp.float32(1.0), amax / jnp.float32(fmax))
     return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan))
 
 
 def leaf_scale_from_amax(amax: jax.Array, codec: Codec) -> jax.Array:
-    """The per-leaf fp32 scale (per-tensor fp8, and NVFP4's second level)."""
+    """The per-leaf fp32 scale (per-tensor fp8, and NVFP4's second level).
+
+    Args:
+      amax: each leaf's absolute maximum (:func:`abs_max`), any shape.
+      codec: the wire format: NVFP4 maps ``amax`` onto ``448 · 6`` (the largest e4m3 block
+        scale times the largest e2m1 element), every other codec onto its :attr:`Codec.fmax`.
+
+    Returns:
+      The float32 scales, shaped like ``amax`` (see :func:`amax_to_scale`).
+    """
     fmax = codec.fmax * _E4M3_MAX if codec.format.scaling == "nvfp4" else codec.fmax
     return amax_to_scale(amax, fmax)
 
@@ -361,7 +395,14 @@ def _e4m3_from_byte(b: jax.Array) -> jax.Array:
 
 
 def row_amax(parts: list[jax.Array]) -> jax.Array:
-    """``max |x|`` over each row of a row split into column ``parts``: ``[rows, 1]``."""
+    """``max |x|`` over each row of a row split into column ``parts``: ``[rows, 1]``.
+
+    Args:
+      parts: the column slices ``[rows, w]`` of one row buffer (:func:`split_columns`).
+
+    Returns:
+      ``[rows, 1]`` in the parts' dtype; a plain ``max`` (no explicit non-finite check).
+    """
     amax = None
     for p in parts:
         m = jnp.max(jnp.abs(p), axis=1, keepdims=True)
@@ -375,6 +416,17 @@ def row_scales(parts: list[jax.Array], leaf_scale: jax.Array | None, codec: Code
 
     For codecs without per-row scales the wire value is ``None`` and the divisor is the leaf
     scale (or 1).
+
+    Args:
+      parts: the buffer's :func:`row_parts` column slices, float32 ``[rows, B / n]`` each.
+      leaf_scale: ``f32[rows, 1]``, the scale of the leaf each row belongs to (needed by
+        per-tensor codecs and NVFP4), or ``None``.
+      codec: the wire format.
+
+    Returns:
+      ``(wire_value, divisor)``: the row scale as it travels (fp32 for per-block ``amax``
+      codecs, the biased E8M0 exponent byte for mxfp8, the e4m3 bits for nvfp4; ``None``
+      without per-row scales) and the fp32 ``[rows, 1]`` the elements are divided by.
     """
     if codec.row_scale_dtype is None:
         if leaf_scale is not None:
@@ -400,7 +452,19 @@ def row_scales(parts: list[jax.Array], leaf_scale: jax.Array | None, codec: Code
 
 
 def decode_row_scales(wire: jax.Array | None, leaf_scale: jax.Array | None, codec: Codec):
-    """fp32 divisor ``[rows, 1]`` from the wire row scales and the leaf scales."""
+    """fp32 divisor ``[rows, 1]`` from the wire row scales and the leaf scales.
+
+    Args:
+      wire: the received row scales ``[rows, 1]`` (the wire value of :func:`row_scales`), or
+        ``None`` for codecs without per-row scales.
+      leaf_scale: ``f32[rows, 1]``, the scale of each row's leaf (per-tensor codecs and
+        NVFP4), or ``None``.
+      codec: the wire format.
+
+    Returns:
+      The divisor the sender's :func:`row_scales` used; ``None`` when the codec has no scales
+      at all (bf16).
+    """
     scaling = codec.format.scaling
     if scaling == "mx":
         return _mx_scale(wire)
@@ -418,13 +482,30 @@ def uniform_from_bits(bits: jax.Array, codec: Codec) -> jax.Array:
     """Uniform ``[0, 1)`` with ``23 − mantissa_bits`` fractional bits, from uint32 bits.
 
     The resolution is chosen so that ``|y|/ulp + u`` is exact in float32 for normal ``y``.
+
+    Args:
+      bits: uint32 random bits, any shape (their top ``23 − mantissa_bits`` bits are used).
+      codec: the element format (:attr:`~Codec.mantissa_bits`).
+
+    Returns:
+      float32 uniforms shaped like ``bits``.
     """
     frac_bits = 23 - codec.mantissa_bits
     return (bits >> (32 - frac_bits)).astype(jnp.float32) * jnp.float32(2.0**-frac_bits)
 
 
 def stochastic_round(y: jax.Array, u: jax.Array, codec: Codec) -> jax.Array:
-    """Unbiased stochastic rounding of float32 ``y`` onto the element grid (see module doc)."""
+    """Unbiased stochastic rounding of float32 ``y`` onto the element grid (see module doc).
+
+    Args:
+      y: scaled float32 values (already divided by their scales).
+      u: uniforms in ``[0, 1)`` shaped like ``y`` (:func:`uniform_from_bits`).
+      codec: the element format (for ``int8`` the grid is the integers).
+
+    Returns:
+      float32 values on the format's grid, shaped like ``y``, not yet saturated; non-finite
+      ``y`` pass through unchanged.
+    """
     if codec.is_integer:  # spacing 1 everywhere
         return jnp.where(jnp.isfinite(y), jnp.sign(y) * jnp.floor(jnp.abs(y) + u), y)
     emin = max(codec.min_exponent, -126 + codec.mantissa_bits)
@@ -462,17 +543,39 @@ def _saturating_cast(y: jax.Array, codec: Codec) -> jax.Array:
 
 
 def row_parts(codec: Codec) -> int:
-    """Column slices a row is read as before packing (2 for 4-bit codes, else 1)."""
+    """Column slices a row is read as before packing (2 for 4-bit codes, else 1).
+
+    Args:
+      codec: the wire format.
+
+    Returns:
+      The number of column slices.
+    """
     return 2 if codec.bits == 4 else 1
 
 
 def payload_planes(codec: Codec) -> int:
-    """Byte planes a row's payload is written as (2 for 16-bit elements, else 1)."""
+    """Byte planes a row's payload is written as (2 for 16-bit elements, else 1).
+
+    Args:
+      codec: the wire format.
+
+    Returns:
+      The number of byte planes.
+    """
     return 2 if codec.bits == 16 else 1
 
 
 def split_columns(a: jax.Array, n: int) -> list[jax.Array]:
-    """``a[..., W]`` → ``n`` equal column slices (``[a]`` for ``n == 1``)."""
+    """``a[..., W]`` → ``n`` equal column slices (``[a]`` for ``n == 1``).
+
+    Args:
+      a: an array whose last axis ``W`` is a multiple of ``n``.
+      n: the number of slices (:func:`row_parts` or :func:`payload_planes`).
+
+    Returns:
+      The slices ``a[..., i·W/n : (i+1)·W/n]``, in order.
+    """
     if n == 1:
         return [a]
     w = a.shape[-1] // n
@@ -480,6 +583,14 @@ def split_columns(a: jax.Array, n: int) -> list[jax.Array]:
 
 
 def join_columns(parts: list[jax.Array]) -> jax.Array:
+    """Inverse of :func:`split_columns`: column slices concatenated along the last axis.
+
+    Args:
+      parts: arrays alike but for their last axis.
+
+    Returns:
+      ``parts[0]`` itself when there is one part, else their concatenation.
+    """
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
@@ -507,7 +618,19 @@ def _e2m1_values(codes: jax.Array) -> jax.Array:
 
 def encode_parts(ys: list[jax.Array], codec: Codec,
                  us: list[jax.Array] | None = None) -> list[jax.Array]:
-    """Scaled float32 column parts (:func:`row_parts` of them) → uint8 byte planes."""
+    """Scaled float32 column parts (:func:`row_parts` of them) → uint8 byte planes.
+
+    Args:
+      ys: the column parts ``[..., B / n]``, already divided by their scales.
+      codec: the wire format.
+      us: uniforms in ``[0, 1)`` shaped like ``ys`` (stochastic rounding), or ``None`` (round
+        to nearest).
+
+    Returns:
+      The :func:`payload_planes` byte planes: the codes ``[..., B]`` of an 8-bit codec; the low
+      then the high bytes ``[..., B]`` of bf16; for nvfp4 one ``[..., B/2]`` plane, byte ``j``
+      = ``code(ys[0][j]) | code(ys[1][j]) << 4``. Values beyond the format saturate.
+    """
     qs = []
     for i, y in enumerate(ys):
         if us is not None:
@@ -522,7 +645,15 @@ def encode_parts(ys: list[jax.Array], codec: Codec,
 
 
 def decode_planes(planes: list[jax.Array], codec: Codec) -> list[jax.Array]:
-    """Inverse of :func:`encode_parts`: uint8 byte planes → unscaled float32 column parts."""
+    """Inverse of :func:`encode_parts`: uint8 byte planes → unscaled float32 column parts.
+
+    Args:
+      planes: the byte planes, as :func:`encode_parts` made them.
+      codec: the wire format.
+
+    Returns:
+      The :func:`row_parts` column parts of the element values (not multiplied by the scales).
+    """
     if codec.bits == 4:
         return [_e2m1_values(planes[0] & 0xF), _e2m1_values(planes[0] >> 4)]
     if codec.bits == 16:
@@ -532,14 +663,31 @@ def decode_planes(planes: list[jax.Array], codec: Codec) -> list[jax.Array]:
 
 
 def encode_elements(y: jax.Array, codec: Codec, u: jax.Array | None = None) -> jax.Array:
-    """Scaled float32 ``y[..., B]`` → wire bytes ``uint8[..., B·bits/8]``."""
+    """Scaled float32 ``y[..., B]`` → wire bytes ``uint8[..., B·bits/8]``.
+
+    Args:
+      y: the values, already divided by their scales (``B`` even for 4-bit codecs).
+      codec: the wire format.
+      u: uniforms in ``[0, 1)`` shaped like ``y`` (stochastic rounding), or ``None``.
+
+    Returns:
+      The byte planes of :func:`encode_parts` concatenated along the last axis.
+    """
     n = row_parts(codec)
     us = None if u is None else split_columns(u, n)
     return join_columns(encode_parts(split_columns(y, n), codec, us))
 
 
 def decode_elements(raw: jax.Array, codec: Codec) -> jax.Array:
-    """Wire bytes ``uint8[..., B·bits/8]`` → unscaled float32 ``[..., B]``."""
+    """Wire bytes ``uint8[..., B·bits/8]`` → unscaled float32 ``[..., B]``.
+
+    Args:
+      raw: the bytes, as :func:`encode_elements` made them.
+      codec: the wire format.
+
+    Returns:
+      The element values, not multiplied by any scale.
+    """
     return join_columns(decode_planes(split_columns(raw, payload_planes(codec)), codec))
 
 
@@ -551,7 +699,20 @@ def encode_row_parts(
 ):
     """:func:`encode_rows` on a row buffer given as its :func:`row_parts` column parts:
     ``(byte planes, row_scale [rows, 1] | None)``. The kernels call this on the slices they
-    load; the reference calls it through :func:`encode_rows`."""
+    load; the reference calls it through :func:`encode_rows`.
+
+    Args:
+      parts: the row buffer's column parts, float32 ``[rows, B / n]`` each.
+      codec: the wire format.
+      leaf_scale: ``f32[rows, 1]``, the scale of the leaf each row belongs to (required when
+        ``codec.has_leaf_scale``), or ``None``.
+      rand_parts: uint32 random bits shaped like ``parts`` (stochastic rounding), or ``None``
+        (round to nearest).
+
+    Returns:
+      ``(planes, row_scale)``: the :func:`payload_planes` uint8 byte planes and the row scales
+      as they travel (see :func:`row_scales`), ``None`` for codecs without per-row scales.
+    """
     wire_scale, divisor = row_scales(parts, leaf_scale, codec)
     if codec.row_scale_dtype is None and codec.has_leaf_scale is False:
         ys = parts  # bf16: no scaling at all
@@ -573,9 +734,20 @@ def encode_rows(
 ):
     """Quantize ``x: f32[rows, B]`` → ``(payload u8[rows, row_bytes], row_scale [rows, 1] | None)``.
 
-    ``leaf_scale: f32[rows, 1]`` is the scale of the leaf each row belongs to (required when
-    ``codec.has_leaf_scale``). ``rand_bits: u32[rows, B]`` switches on stochastic rounding.
     Zero rows encode to zeros; NaN/Inf make the row (or leaf) decode as NaN.
+
+    Args:
+      x: the row buffer, ``B = codec.row_size``.
+      codec: the wire format.
+      leaf_scale: ``f32[rows, 1]``, the scale of the leaf each row belongs to (required when
+        ``codec.has_leaf_scale``), or ``None``.
+      rand_bits: ``u32[rows, B]`` random bits; they switch on stochastic rounding (``None``:
+        round to nearest).
+
+    Returns:
+      ``(payload, row_scale)``: the wire bytes ``u8[rows, row_bytes]`` and the row scales as
+      they travel (fp32, or uint8 for mxfp8 and nvfp4), ``None`` for codecs without per-row
+      scales.
     """
     n = row_parts(codec)
     rand = None if rand_bits is None else split_columns(rand_bits, n)
@@ -589,7 +761,19 @@ def decode_row_parts(
     codec: Codec,
     leaf_scale: jax.Array | None = None,
 ) -> list[jax.Array]:
-    """Inverse of :func:`encode_row_parts`: byte planes → float32 column parts."""
+    """Inverse of :func:`encode_row_parts`: byte planes → float32 column parts.
+
+    Args:
+      planes: the uint8 byte planes.
+      row_scale: the row scales ``[rows, 1]`` as they travelled, or ``None`` for codecs
+        without per-row scales.
+      codec: the wire format.
+      leaf_scale: ``f32[rows, 1]``, the scale of each row's leaf (per-tensor codecs and
+        NVFP4), or ``None``.
+
+    Returns:
+      The :func:`row_parts` column parts of the decoded values, scales applied.
+    """
     values = decode_planes(planes, codec)
     if codec.row_scale_dtype is None and not codec.has_leaf_scale:
         return values
@@ -603,7 +787,16 @@ def decode_rows(
     codec: Codec,
     leaf_scale: jax.Array | None = None,
 ) -> jax.Array:
-    """Inverse of :func:`encode_rows`: ``f32[rows, B]``."""
+    """Inverse of :func:`encode_rows`: ``f32[rows, B]``.
+
+    Args:
+      payload: the wire bytes ``u8[rows, row_bytes]``.
+      row_scale, leaf_scale: as :func:`decode_row_parts`.
+      codec: the wire format.
+
+    Returns:
+      The decoded ``f32[rows, B]``, scales applied.
+    """
     planes = split_columns(payload, payload_planes(codec))
     return join_columns(decode_row_parts(planes, row_scale, codec, leaf_scale))
 

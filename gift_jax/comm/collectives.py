@@ -153,7 +153,17 @@ class Collective:
 def exchange_chunks(chunks: jax.Array, axis: AxisName, permute: bool) -> jax.Array:
     """``chunks[j]`` (shape ``[P, ...]``) sent to replica ``j``; returns ``[P, ...]`` with
     row ``i`` from replica ``i``: ``all_to_all``, or with ``permute`` one ``ppermute`` per
-    shift ``s = 1..P−1`` (replica ``r`` sends ``chunks[(r+s) % P]`` to ``(r+s) % P``)."""
+    shift ``s = 1..P−1`` (replica ``r`` sends ``chunks[(r+s) % P]`` to ``(r+s) % P``).
+
+    Args:
+      chunks: ``[P, ...]``, row ``j`` for replica ``j`` (``P`` = the size of ``axis``).
+      axis: the bound mesh axis (or tuple of axes) to exchange over.
+      permute: exchange by ``P − 1`` ``ppermute``s instead of one ``all_to_all`` (see
+        :attr:`Collective.permute`).
+
+    Returns:
+      ``[P, ...]``: row ``i`` received from replica ``i`` (this replica's own row kept).
+    """
     if not permute:
         return jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)
     P = chunks.shape[0]
@@ -170,7 +180,16 @@ def gather_chunks(chunk: jax.Array, axis: AxisName, permute: bool) -> jax.Array:
     """Every replica's ``chunk`` stacked ``[P, ...]`` (row ``i`` from replica ``i``):
     ``all_gather`` typed invariant, or with ``permute`` one ``ppermute`` per shift. A
     ``ppermute``'s result is typed per replica, so under ``shard_map(check_vma=True)`` the
-    gather stays an ``all_gather`` (the stage's output must be typed replicated)."""
+    gather stays an ``all_gather`` (the stage's output must be typed replicated).
+
+    Args:
+      chunk: this replica's chunk, any shape.
+      axis: the bound mesh axis (or tuple of axes) to gather over.
+      permute: gather by ``ppermute``s (ignored where ``check_vma`` tracks ``axis``).
+
+    Returns:
+      ``[P, *chunk.shape]``, identical on every replica.
+    """
     if not permute or vma_checked(axis):
         return all_gather_invariant(chunk, axis)
     # a gather is the exchange in which every replica sends everyone the same chunk
@@ -191,9 +210,21 @@ def reduce_scatter_rows(
 ):
     """Quantized reduce-scatter of ``x: f32[rows, B]`` (rows divisible by the axis size).
 
-    Returns the fp32 sum of this replica's shard, ``f32[rows/P, B]`` (shard ``i`` = rows
-    ``[i·rows/P, (i+1)·rows/P)``), and, if asked, the local quantization error ``x − Q(x)``
-    (for error feedback).
+    Args:
+      x: this replica's row buffer (``B = col.codec.row_size``).
+      col: the collective's settings (axis, codec, scales, accumulation, backend, exchange).
+      row_leaf: ``int32[rows]``, the scale group of every row
+        (:meth:`~gift_jax.comm.buckets.Bucket.row_leaf_ids`): per-tensor scales are computed
+        per group.
+      num_leaves: the number of scale groups (``row_leaf`` is below it).
+      rand_bits: ``u32[rows, B]`` random bits for stochastic rounding, or ``None`` (round to
+        nearest).
+      return_local_error: also return the local quantization error.
+
+    Returns:
+      The fp32 sum of this replica's shard, ``f32[rows/P, B]`` (shard ``i`` = rows
+      ``[i·rows/P, (i+1)·rows/P)``), and, if asked, the local quantization error ``x − Q(x)``
+      (for error feedback; zeros for fp32), as a pair ``(shard, error)``.
     """
     codec, axis = col.codec, col.axis_name
     P = axis_size(axis)
@@ -261,9 +292,18 @@ def all_gather_rows(
 ):
     """Quantized all-gather of ``shard: f32[rs, B]`` → ``f32[P·rs, B]``, bit-identical everywhere.
 
-    ``row_leaf: int32[P·rs]`` maps every row of the *gathered* buffer to its leaf (per-tensor
-    scales are computed per leaf over the rows of each shard). With ``return_local_error`` the
-    owner's re-quantization error ``shard − Q(shard)`` is returned too.
+    Args:
+      shard: this replica's rows (``B = col.codec.row_size``).
+      col: the collective's settings (axis, codec, scales, backend, exchange).
+      row_leaf: ``int32[P·rs]`` maps every row of the *gathered* buffer to its leaf
+        (per-tensor scales are computed per leaf over the rows of each shard).
+      num_leaves: the number of scale groups (``row_leaf`` is below it).
+      rand_bits: ``u32[rs, B]`` random bits for stochastic rounding, or ``None``.
+      return_local_error: also return the owner's re-quantization error.
+
+    Returns:
+      The gathered ``f32[P·rs, B]``; with ``return_local_error`` the pair ``(gathered,
+      shard − Q(shard))``, the owner's re-quantization error ``f32[rs, B]`` (zeros for fp32).
     """
     codec, axis = col.codec, col.axis_name
     P = axis_size(axis)
@@ -315,7 +355,24 @@ CodecPolicy = Callable[[tuple, jax.Array], Any] | Any
 
 def resolve_codecs(tree, codec, block_size, policy) -> list[Codec]:
     """One :class:`Codec` per leaf: ``policy`` (callable ``(path, leaf) → codec`` or a pytree
-    of codecs matching ``tree``) overrides the default ``codec``; leaves must be floats."""
+    of codecs matching ``tree``) overrides the default ``codec``; leaves must be floats.
+
+    Args:
+      tree: the pytree to reduce (arrays or their abstract shapes).
+      codec: the default codec, a name or a :class:`Codec`.
+      block_size: the block size of the default codec (a policy's codec name other than
+        ``codec`` gets none), or ``None``.
+      policy: ``None`` (every leaf in ``codec``), a callable ``(key path, leaf) → codec name or
+        Codec``, or a pytree of those matching ``tree``.
+
+    Returns:
+      The codecs, in the order of ``jax.tree_util.tree_leaves(tree)``.
+
+    Raises:
+      TypeError: a leaf whose dtype is not floating.
+      ValueError: an unknown codec name or invalid block size, or a policy pytree whose
+        structure does not match ``tree``.
+    """
     leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
     if policy is None:
         chosen = [codec] * len(leaves_with_path)
@@ -365,7 +422,16 @@ class AllReduceSpec:
 
     def collective(self, codec: Codec, axis) -> Collective:
         """The collective of ``codec`` over ``axis``; the outer axis of a hierarchical
-        reduction exchanges by ``ppermute`` (see :class:`Collective`)."""
+        reduction exchanges by ``ppermute`` (see :class:`Collective`).
+
+        Args:
+          codec: a bucket's codec, or the intra-node codec.
+          axis: ``axis_name`` or ``intra_axis``.
+
+        Returns:
+          The :class:`Collective`, with this spec's ``global_scale`` and ``accumulate`` for a
+          quantized codec (fp32: no shared scale, fp32 accumulation) and its backend.
+        """
         return Collective(axis, codec, self.global_scale and not codec.is_exact,
                           self.accumulate if not codec.is_exact else "fp32", self.backend,
                           permute=self.intra_axis is not None and axis == self.axis_name)
@@ -386,7 +452,17 @@ class AllReduceSpec:
     def stacks(self, tree) -> list[int]:
         """Per leaf, how many tensors it stacks: the product of its leading ``stack_axes(path,
         leaf)`` axes (at most all but the last; 1 without ``stack_axes``). Each gets its own
-        scales (see :mod:`gift_jax.comm.buckets`)."""
+        scales (see :mod:`gift_jax.comm.buckets`).
+
+        Args:
+          tree: the pytree to reduce (arrays or their abstract shapes).
+
+        Returns:
+          The counts, in the order of ``jax.tree_util.tree_leaves(tree)``.
+
+        Raises:
+          ValueError: ``stack_axes`` gave a negative count.
+        """
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         if self.stack_axes is None:
             return [1] * len(flat)
@@ -401,6 +477,23 @@ class AllReduceSpec:
         return out
 
     def plan(self, tree) -> tuple[tuple[Bucket, ...], list[Codec]]:
+        """The bucket plan of ``tree``: its quantized leaves packed into buckets that split
+        over :meth:`num_shards` replicas (fp32 leaves are reduced by a plain ``psum`` and get
+        no bucket). A static fact of the shapes; call it where the axes are bound.
+
+        Args:
+          tree: the pytree to reduce (arrays or their abstract shapes).
+
+        Returns:
+          ``(buckets, codecs)``: the :class:`~gift_jax.comm.buckets.Bucket` s of the
+          non-fp32 leaves (their slots index the full leaf list of ``tree``) and every leaf's
+          :class:`Codec` (:func:`resolve_codecs`).
+
+        Raises:
+          TypeError: a leaf that is not a float.
+          ValueError: an invalid codec or policy (:func:`resolve_codecs`), or a negative count
+            from ``stack_axes`` (:meth:`stacks`).
+        """
         codecs = resolve_codecs(tree, self.codec, self.block_size, self.policy)
         shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(tree)]
         quantized = [c for c in codecs if not c.is_exact]
@@ -518,6 +611,13 @@ def init_residuals(tree, spec: AllReduceSpec):
     per bucket — the owner's re-quantization error of its reduced shard. Both differ per
     replica: inside ``jax.shard_map`` give them the out-spec ``P(axis_name)`` (see
     :func:`gift_jax.partition_specs`).
+
+    Args:
+      tree: the gradients' pytree (arrays or their abstract shapes).
+      spec: the all-reduce's settings (its bucket plan sizes ``shard``).
+
+    Returns:
+      ``(local, shard)``, float32 zeros typed as varying over ``spec.axis_name``.
     """
     buckets, _ = spec.plan(tree)
     P = spec.num_shards()
@@ -548,9 +648,18 @@ def reframe_residuals(residuals, tree, change: Callable[[Any], Any], moved,
       bucket plan is unknown: the buffers belong to a stage other than a bare
       :func:`gift_jax.allreduce`) every shard row is zeroed.
 
-    ``tree``: the tree the all-reduce reduces (its structure and shapes give the bucket plan);
-    ``residuals``: as :func:`init_residuals` made them (``None`` is returned unchanged).
     Run where ``spec.axis_name`` is bound (inside ``jax.shard_map``).
+
+    Args:
+      residuals: as :func:`init_residuals` made them (``None`` is returned unchanged).
+      tree: the tree the all-reduce reduces (its structure and shapes give the bucket plan).
+      change: ``tree → tree``, from the old frame to the new one.
+      moved: a tree like ``tree`` of static Python bools: the leaves whose frame changed.
+      spec: the all-reduce's settings, or ``None`` (bucket plan unknown: every shard row is
+        zeroed).
+
+    Returns:
+      ``(local, shard)`` in the new frame, or ``None``.
     """
     if residuals is None:
         return None

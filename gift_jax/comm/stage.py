@@ -90,7 +90,18 @@ class LocalShards:
         """Specs over ``axes`` of error-feedback buffers ``(local, shard)`` (as
         :func:`~gift_jax.comm.collectives.init_residuals` makes them per device): each local
         buffer like its leaf (``leaf_specs``, default: from the buffers' own global shapes)
-        behind its leading axis; the shard buffers one per device along their leading axis."""
+        behind its leading axis; the shard buffers one per device along their leading axis.
+
+        Args:
+          residuals: the buffers ``(local, shard)`` (arrays or their abstract shapes).
+          leaf_specs: the ``PartitionSpec`` s of the leaves (:attr:`specs` of the reduced
+            tree), or ``None``: :attr:`specs` of the local buffers' shapes without their
+            leading axis.
+
+        Returns:
+          ``(local specs, shard specs)``: ``PartitionSpec(None, *leaf spec)`` per local buffer
+          and ``PartitionSpec(axes)`` per shard buffer.
+        """
         local, shard = residuals
         if leaf_specs is None:
             leaf_specs = self.specs(jax.tree.map(
@@ -301,7 +312,15 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
 
 
 def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
-    """The :class:`LocalShards` an :func:`allreduce` stage reduces on, or ``None``."""
+    """The :class:`LocalShards` an :func:`allreduce` stage reduces on, or ``None``.
+
+    Args:
+      stage: any optax transformation.
+
+    Returns:
+      The stage's :class:`LocalShards`; ``None`` for an :func:`allreduce` of whole leaves and
+      for any other transformation.
+    """
     return stage.shards if isinstance(stage, AllReduceTransformation) else None
 
 
@@ -313,7 +332,22 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
     scaling, accumulation and local shards, but no error feedback and rounding to nearest —
     what one exchange does to these values.  All variants go in one reduction per codec.
     Used to measure transports (GIFT's routing) without touching the stage's state.  Inside
-    the stage's ``shard_map``; the results are identical on every replica."""
+    the stage's ``shard_map``; the results are identical on every replica.
+
+    Args:
+      stage: the :func:`allreduce` stage as built.
+      full_tree: the per-device tree the stage reduces (its paths, dtypes and shapes give each
+        leaf's codec, stacked tensors and local-shard spec).
+      *variants: ``{leaf path: array}`` (paths as :func:`~gift_jax.utils.tree_paths.leaf_path`
+        names them), each array shaped like its leaf of ``full_tree``.
+
+    Returns:
+      One ``{leaf path: reduced array}`` per variant, with its keys, summed or averaged as the
+      stage's ``mean`` says.
+
+    Raises:
+      ValueError: ``stage`` is not an :func:`allreduce` stage.
+    """
     spec, shards = allreduce_spec(stage), allreduce_shards(stage)
     if spec is None:
         raise ValueError("transport_only needs a gift_jax.allreduce stage")

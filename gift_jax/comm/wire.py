@@ -85,12 +85,28 @@ class WireReport:
 
     def over(self, axes: str | tuple[str, ...]) -> WireReport:
         """The collectives whose groups span any of the mesh ``axes`` (needs a report parsed
-        with a mesh)."""
+        with a mesh).
+
+        Args:
+          axes: a mesh axis name or a tuple of them.
+
+        Returns:
+          A :class:`WireReport` of those collectives (empty for a report parsed without a mesh,
+          whose collectives name no axes).
+        """
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         return WireReport(tuple(op for op in self.ops if set(op.axes) & set(axes)))
 
     def within(self, axes: str | tuple[str, ...]) -> WireReport:
-        """The collectives whose groups span only mesh axes among ``axes``."""
+        """The collectives whose groups span only mesh axes among ``axes``.
+
+        Args:
+          axes: a mesh axis name or a tuple of them.
+
+        Returns:
+          A :class:`WireReport` of those collectives; collectives that name no axes (a report
+          parsed without a mesh, or a group of one device) are left out.
+        """
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         return WireReport(tuple(op for op in self.ops if op.axes and set(op.axes) <= set(axes)))
 
@@ -105,7 +121,15 @@ class WireReport:
 
 
 def array_bytes(type_str: str) -> list[tuple[str, int]]:
-    """``[(dtype, bytes)]`` of every array in an HLO type string (``(u8[4,128], u32[])``)."""
+    """``[(dtype, bytes)]`` of every array in an HLO type string (``(u8[4,128], u32[])``).
+
+    Args:
+      type_str: the result type of an HLO instruction: one array type or a tuple of them.
+
+    Returns:
+      ``(HLO dtype name, size in bytes)`` per array, in order (sub-byte types rounded down to
+      whole bytes; a scalar counts one element).
+    """
     out = []
     for m in _ARRAY.finditer(type_str):
         dims = [int(d) for d in m.group("dims").split(",") if d]

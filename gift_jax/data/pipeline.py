@@ -41,7 +41,19 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def permute(indices, n: int, keys) -> np.ndarray:
-    """Applies the permutation of ``[0, n)`` keyed by ``keys`` (uint64 round keys) to indices."""
+    """Applies the permutation of ``[0, n)`` keyed by ``keys`` (uint64 round keys) to indices.
+
+    A balanced Feistel network on the smallest even number of bits (at least 2) that holds
+    ``n - 1``, with cycle walking (re-applied until the value falls inside ``[0, n)``).
+
+    Args:
+      indices: indices in ``[0, n)`` (any integer array-like).
+      n: the size of the permuted range.
+      keys: the round keys, one Feistel round each (uint64 array-like).
+
+    Returns:
+      ``int64`` array of ``indices``' shape: the permuted indices, in ``[0, n)``.
+    """
     x = np.asarray(indices, dtype=np.uint64).copy()
     half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
@@ -68,13 +80,35 @@ def _epoch_key(seed: int, epoch: int, length: int) -> tuple[int, np.ndarray]:
 
 
 def windows_per_pass(num_tokens: int, length: int, *, shuffle: bool) -> int:
-    """Number of windows in one pass (an epoch) over a stream of ``num_tokens`` tokens."""
+    """Number of windows in one pass (an epoch) over a stream of ``num_tokens`` tokens.
+
+    Args:
+      num_tokens: the stream's length ``N``.
+      length: the window length ``L = seq_len + 1``.
+      shuffle: whether the grid is shifted each epoch (training).
+
+    Returns:
+      ``W = N // L - 1`` when shuffled (and ``N // L >= 2``: one grid window is lost to the
+      shift), else ``N // L``.
+    """
     grid = num_tokens // length
     return grid - 1 if shuffle and grid >= 2 else grid
 
 
 def window_starts(counters, num_tokens: int, length: int, *, seed: int, shuffle: bool):
-    """Stream start positions of the global windows numbered ``counters`` (see module doc)."""
+    """Stream start positions of the global windows numbered ``counters`` (see module doc).
+
+    Args:
+      counters: global window numbers ``c = k * B + j`` (any integer array-like, >= 0).
+      num_tokens: the stream's length ``N``.
+      length: the window length ``L``.
+      seed: the seed of the epochs' grid offsets and permutations (``shuffle`` only).
+      shuffle: shifted, permuted grid per epoch (training), else the windows ``0, L, 2L, ...``
+        in order, wrapping around.
+
+    Returns:
+      ``int64`` start positions, of ``counters``' shape.
+    """
     counters = np.asarray(counters, dtype=np.int64)
     grid = num_tokens // length
     per_epoch = windows_per_pass(num_tokens, length, shuffle=shuffle)
@@ -109,6 +143,30 @@ def batch_iterator(
     Batch ``k`` (counting from 0, the first yielded is ``start_step``) is a function of
     ``(source, split, seed, k)`` only. ``shuffle`` defaults to ``split == "train"``; with
     ``loop=False`` iteration ends after the last complete batch of one pass (one epoch).
+
+    Args:
+      source: a :class:`~gift_jax.data.source.TokenSource` or
+        :class:`~gift_jax.data.tokenized.TokenizedSource` (``num_tokens`` and ``read``).
+      split: the split to read.
+      global_batch: rows of a global batch ``B`` (over all processes).
+      seq_len: the model's sequence length; a row holds ``seq_len + 1`` tokens.
+      seed: the seed of the training order (``shuffle`` only).
+      start_step: the first batch ``k`` to yield (resuming).
+      process_index, process_count: this process ``p`` and the number ``P`` of processes; it
+        yields rows ``[p * B / P, (p + 1) * B / P)``.
+      loop: ``True``: endless (epoch after epoch); ``False``: one pass, stopping before the
+        first incomplete batch.
+      shuffle: permuted, shifted grid (training); ``None``: ``split == "train"``.
+
+    Returns:
+      An iterator of ``int32 [global_batch // process_count, seq_len + 1]`` batches (the
+      settings are checked at the call, not at the first ``next``).
+
+    Raises:
+      DataError: a non-positive ``global_batch`` or ``seq_len``, ``process_index`` outside
+        ``[0, process_count)``, ``global_batch`` not divisible by ``process_count``, a split
+        shorter than one window, with ``loop=False`` a split of fewer than ``global_batch``
+        windows, or an unknown or empty split.
     """
     if global_batch < 1 or seq_len < 1:
         raise DataError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")

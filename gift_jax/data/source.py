@@ -96,21 +96,68 @@ class TokenSource:
         return tuple(self._splits)
 
     def num_docs(self, split: str) -> int:
-        """Number of documents in ``split``."""
+        """Number of documents in ``split``.
+
+        Args:
+          split: a split name (see :attr:`splits`).
+
+        Returns:
+          The number of records of ``split``.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus.
+        """
         return len(self._records(split))
 
     def num_tokens(self, split: str) -> int:
-        """Length of the token stream of ``split`` (documents plus one separator each)."""
+        """Length of the token stream of ``split`` (documents plus one separator each).
+
+        Args:
+          split: a split name; on first use its records are indexed (one pass).
+
+        Returns:
+          The number of byte tokens of the stream: the documents' UTF-8 lengths + 1 each.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus, or has no documents.
+        """
         return int(self._index(split)[-1])
 
     def documents(self, split: str, start: int = 0, stop: int | None = None) -> list[bytes]:
-        """The UTF-8 text of documents ``[start, stop)`` of ``split``, in record order."""
+        """The UTF-8 text of documents ``[start, stop)`` of ``split``, in record order.
+
+        Args:
+          split: a split name.
+          start: the first document index.
+          stop: one past the last document index (clipped to the number of documents);
+            ``None``: to the end of the split.
+
+        Returns:
+          One ``bytes`` per document (without the separator).
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus, or a record lacks ``text_field``.
+        """
         reader = self.reader(split)
         stop = len(reader) if stop is None else min(stop, len(reader))
         return reader.get(range(start, stop))
 
     def read(self, split: str, starts, length: int) -> np.ndarray:
-        """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start."""
+        """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start.
+
+        Args:
+          split: a split name; on first use its records are indexed (one pass).
+          starts: token offsets into the split's stream (any integer array-like, flattened).
+          length: tokens per window.
+
+        Returns:
+          ``int32 [len(starts), length]``: row ``i`` is the stream at ``starts[i] ..
+          starts[i] + length - 1`` (byte tokens 0..255, separators included).
+
+        Raises:
+          IndexError: a window that starts before 0 or ends past the stream.
+          DataError: ``split`` is not a split of the corpus, or has no documents.
+        """
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         offsets = self._index(split)
         if starts.size and (starts.min() < 0 or starts.max() + length > offsets[-1]):
@@ -131,7 +178,17 @@ class TokenSource:
 
     def reader(self, split: str) -> DocumentReader:
         """Random access to the documents of ``split`` (picklable: what data worker processes
-        read from; nothing is read until it is indexed)."""
+        read from; nothing is read until it is indexed).
+
+        Args:
+          split: a split name.
+
+        Returns:
+          A :class:`DocumentReader` over the split's records.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus.
+        """
         return DocumentReader(self._records(split), self._record_format, self.text_field,
                               f"{self.name}/{split}")
 
@@ -205,7 +262,21 @@ class TokenSource:
 
 def doc_bytes(record, record_format: str, text_field: str, name: str) -> bytes:
     """The UTF-8 text of one record: a ``str``/``bytes`` document, a mapping holding one under
-    ``text_field``, or (``record_format="tf_example"``) serialized ``tf.train.Example`` bytes."""
+    ``text_field``, or (``record_format="tf_example"``) serialized ``tf.train.Example`` bytes.
+
+    Args:
+      record: one record (a 0-d NumPy array is unwrapped with ``.item()``).
+      record_format: ``"plain"`` or ``"tf_example"`` (see :class:`TokenSource`).
+      text_field: the field holding the text of a mapping or ``tf.train.Example``.
+      name: the corpus and split, for messages.
+
+    Returns:
+      The document's text as UTF-8 ``bytes`` (the first value of a ``tf.train.Example``'s
+      bytes feature).
+
+    Raises:
+      DataError: a mapping (or ``tf.train.Example``) without ``text_field``.
+    """
     if record_format == "tf_example":
         from tensorflow_datasets.proto import tf_example_pb2
 
@@ -237,6 +308,18 @@ class DocumentReader:
         return self.get([index])[0]
 
     def get(self, indices) -> list[bytes]:
+        """The UTF-8 text of several records, read in one batched call where the records
+        support ``__getitems__`` (e.g. a TFDS data source).
+
+        Args:
+          indices: record indices (any iterable of integers).
+
+        Returns:
+          One ``bytes`` per index, in the order of ``indices``.
+
+        Raises:
+          DataError: a record without the text field.
+        """
         indices = [int(i) for i in indices]
         records = self.records
         fetched = (records.__getitems__(indices) if hasattr(records, "__getitems__")
@@ -263,6 +346,27 @@ def get_source(
     holding the text of ``tfds:`` datasets. ``tokenizer`` is a ``data.tokenizer`` value; other
     than ``"byte"`` the result is a :class:`~gift_jax.data.tokenized.TokenizedSource`. Every
     bad setting raises :class:`DataError`.
+
+    Args:
+      spec: ``"shakespeare"``, ``"text:DIR"`` or ``"tfds:NAME[:VERSION]"`` (``NAME`` may be
+        ``DATASET/CONFIG``).
+      data_dir: the data directory (local or object storage for ``tfds:``); ``None``: the
+        defaults above.
+      text_field: the record field holding the text (``tfds:`` only).
+      index_dir: where document offsets of large splits are cached; ``None``:
+        ``~/.cache/gift_jax/index``.
+      tokenizer: ``"byte"``, a SentencePiece ``.model`` or ``tokenizer.json`` path, or
+        ``"spm:N"`` / ``"bpe:N"`` (trained on the train split; see
+        :func:`gift_jax.data.train_tokenizer.get_tokenizer`).
+
+    Returns:
+      A :class:`TokenSource` (``tokenizer="byte"``) or a
+      :class:`~gift_jax.data.tokenized.TokenizedSource` over it, whose artifacts live in
+      :func:`artifact_dir`.
+
+    Raises:
+      DataError: an unknown spec, a missing directory, dataset, version or split, a
+        TFRecord-only dataset, unreachable storage, or a bad tokenizer setting.
     """
     source = _byte_source(spec, data_dir, text_field, index_dir)
     if tokenizer == "byte":
@@ -276,7 +380,15 @@ def get_source(
 
 def artifact_dir(source: TokenSource) -> str:
     """``DATA_DIR/gift_tokenizers/<corpus>``: trained tokenizers and token streams of a corpus
-    prepared under ``DATA_DIR``."""
+    prepared under ``DATA_DIR``.
+
+    Args:
+      source: a byte-level source with a ``data_dir`` (as :func:`get_source` builds them).
+
+    Returns:
+      ``<source.data_dir>/gift_tokenizers/<slug>``, the slug being ``source.name`` with every
+      character other than alphanumerics, ``-`` and ``.`` replaced by ``_``.
+    """
     slug = "".join(c if c.isalnum() or c in "-." else "_" for c in source.name)
     return os.path.join(source.data_dir, "gift_tokenizers", slug)
 
@@ -367,6 +479,20 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
 
     Without ``version`` the newest prepared version is used. A TFRecord-only preparation is
     refused: reading it would need TensorFlow.
+
+    Args:
+      name: the dataset, ``NAME`` or ``NAME/CONFIG`` (e.g. ``c4/en``).
+      version: ``"X.Y.Z"``, or ``None`` for the newest version directory holding a
+        ``dataset_info.json``.
+      data_dir: the TFDS data directory (a local path or an object-store URL).
+
+    Returns:
+      The version directory, ``data_dir/NAME/VERSION``.
+
+    Raises:
+      DataError: ``data_dir`` does not exist; no prepared version of ``name`` (with the
+        configs found when ``name`` lacks one); ``version`` not prepared; or the dataset is
+        not prepared in ArrayRecord format.
     """
     root = epath.Path(data_dir)
     if not root.is_dir():

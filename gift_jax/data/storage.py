@@ -21,17 +21,35 @@ from gift_jax.data.errors import DataError
 
 
 def is_remote(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is an object-store URL (``gs://bucket/…``) rather than a local path."""
+    """Whether ``path`` is an object-store URL (``gs://bucket/…``) rather than a local path.
+
+    Args:
+      path: a path or URL.
+
+    Returns:
+      Whether it contains ``://``.
+    """
     return "://" in str(path)
 
 
 def local_or_url(path: str | os.PathLike) -> str:
-    """A local path made absolute (``~`` expanded); an object-store URL as it is."""
+    """A local path made absolute (``~`` expanded); an object-store URL as it is.
+
+    Args:
+      path: a path or URL.
+
+    Returns:
+      The absolute local path, or the URL, as a string.
+    """
     return str(path) if is_remote(path) else os.path.abspath(os.path.expanduser(path))
 
 
 def barrier(name: str) -> None:
-    """Waits for every process of the job (a no-op with one)."""
+    """Waits for every process of the job (a no-op with one).
+
+    Args:
+      name: the barrier's name, the same in every process.
+    """
     import jax
 
     if jax.process_count() > 1:
@@ -42,7 +60,12 @@ def barrier(name: str) -> None:
 
 def first_then_rest(build: Callable[[], None], name: str) -> None:
     """Runs ``build`` on process 0, waits for every process (barrier ``name``), then on the
-    other processes (``build`` must be a no-op where its result exists already)."""
+    other processes (``build`` must be a no-op where its result exists already).
+
+    Args:
+      build: the idempotent builder, called once per process.
+      name: the barrier's name.
+    """
     import jax
 
     if jax.process_index() == 0:
@@ -56,6 +79,15 @@ def cached(path: str | os.PathLike, build: Callable[[epath.Path], None], what: s
            ) -> epath.Path:
     """``path``, built with ``build(tmp)`` (which writes the artifact to ``tmp``) where it is
     missing: first by process 0, then by any process that still does not see it.
+
+    Args:
+      path: the artifact (local or object storage).
+      build: writes the artifact to the temporary path it is given, which is then renamed
+        to ``path``.
+      what: the artifact's description, for messages.
+
+    Returns:
+      ``path`` as an ``epath.Path``.
 
     Raises:
       DataError: one line naming ``what`` and ``path`` when the storage cannot be reached
@@ -81,13 +113,27 @@ def cached(path: str | os.PathLike, build: Callable[[epath.Path], None], what: s
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an error's message (libraries append tracebacks and context)."""
+    """The first line of an error's message (libraries append tracebacks and context).
+
+    Args:
+      error: the error.
+
+    Returns:
+      The first line of ``str(error)`` stripped, or ``""``.
+    """
     text = str(error).strip()
     return text.splitlines()[0] if text else ""
 
 
 def credentials_hint(path) -> str:
-    """What to check when object storage (a ``scheme://`` path) cannot be reached."""
+    """What to check when object storage (a ``scheme://`` path) cannot be reached.
+
+    Args:
+      path: the path that could not be reached.
+
+    Returns:
+      A ``"; on object storage check ..."`` suffix for a message, or ``""`` for a local path.
+    """
     if is_remote(path):
         return ("; on object storage check the credentials (e.g. `gcloud auth "
                 "application-default login`) and that the bucket exists")

@@ -93,7 +93,15 @@ class LaneLayout:
     local: int  # B / P: this process's lanes
 
     def position(self, i: int) -> int:
-        """The global position of local document ``i``."""
+        """The global position of local document ``i``.
+
+        Args:
+          i: a local document index (lane ``i mod local`` of this process, round
+            ``i div local``).
+
+        Returns:
+          ``round * lanes + first + lane``.
+        """
         rounds, lane = divmod(i, self.local)
         return rounds * self.lanes + self.first + lane
 
@@ -279,7 +287,40 @@ def stream_batches(
     from which the readers take the ids of shards already cached
     (:mod:`gift_jax.data.id_cache`, ``shard_docs`` documents per shard; ``""``: tokenize
     every document). Bad settings raise
-    :class:`DataError`."""
+    :class:`DataError`.
+
+    Args:
+      source: a :class:`~gift_jax.data.source.TokenSource` (byte tokens) or a
+        :class:`~gift_jax.data.tokenized.TokenizedSource` (its tokenizer; nothing is tokenized
+        ahead).
+      split: the split to read.
+      global_batch: rows (lanes) ``B`` of a global batch.
+      seq_len: the model's sequence length; a row holds ``seq_len + 1`` tokens.
+      seed: the seed of the documents' order per epoch (``shuffle`` only).
+      shuffle: visit documents in a shuffled order per epoch; ``None``: ``split == "train"``.
+      loop: ``True``: endless (epoch after epoch); ``False``: one pass, ending at the first
+        batch a lane cannot fill (a fixed, bounded set of windows: evaluation).
+      process_index, process_count: this process ``p`` of ``P``; it owns lanes
+        ``[p B/P, (p+1) B/P)``.
+      workers: grain worker processes that read and tokenize (0: in this process).
+      state: a global position (:func:`global_state` of the processes'
+        :meth:`LaneBatches.state`, or its JSON) to resume from; ``None``: from the start.
+      id_cache: a local directory where a background process caches the split's ids per shard
+        while the iterator runs (training, ``loop=True``, only), and from which the readers
+        take the ids of shards already cached (:mod:`gift_jax.data.id_cache`); ``""``:
+        tokenize every document.
+      shard_docs: documents per id-cache shard.
+
+    Returns:
+      A :class:`LaneBatches` iterator of ``int32 [global_batch // process_count, seq_len + 1]``
+      batches (call its ``close()`` to stop the id cache's builder).
+
+    Raises:
+      DataError: a non-positive ``global_batch`` or ``seq_len``, ``process_index`` outside
+        ``[0, process_count)``, ``global_batch`` not divisible by ``process_count``, a bad
+        ``workers``, ``grain`` missing, an unknown or empty split, a ``state`` of another
+        number of lanes than ``global_batch``, or an ``id_cache`` on object storage.
+    """
     if global_batch < 1 or seq_len < 1:
         raise DataError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     if not 0 <= process_index < process_count:
@@ -341,6 +382,14 @@ def stream_batches(
 
 
 def global_state(states: list[dict]) -> dict:
-    """One global position from the :meth:`LaneBatches.state` of every process."""
+    """One global position from the :meth:`LaneBatches.state` of every process.
+
+    Args:
+      states: the states of all processes, in any order.
+
+    Returns:
+      ``{"lanes": [[round, tokens consumed], ...]}`` with one entry per global lane, in lane
+      order (what :func:`stream_batches` takes as ``state``).
+    """
     states = sorted(states, key=lambda s: s["first_lane"])
     return {"lanes": [lane for s in states for lane in s["lanes"]]}

@@ -23,7 +23,16 @@ _CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "rt", "st", "ck"
 
 
 def vocabulary(size: int = 60_000, seed: int = 0) -> list[str]:
-    """``size`` distinct pronounceable words, the most frequent (shortest) first."""
+    """``size`` distinct pronounceable words, the most frequent (shortest) first.
+
+    Args:
+      size: the number of words.
+      seed: the random seed.
+
+    Returns:
+      The words (1–4 syllables each), sorted by length (stable among equal lengths), i.e. in
+      the Zipf rank order :func:`documents` uses.
+    """
     rng = np.random.default_rng(seed)
     words: dict[str, None] = {}
     while len(words) < size:
@@ -35,7 +44,17 @@ def vocabulary(size: int = 60_000, seed: int = 0) -> list[str]:
 
 
 def documents(count: int, seed: int = 0, words: list[str] | None = None) -> list[str]:
-    """``count`` generated documents (see the module doc)."""
+    """``count`` generated documents (see the module doc).
+
+    Args:
+      count: the number of documents.
+      seed: the random seed (the words use ``seed``, the text ``seed + 1``).
+      words: the vocabulary in rank order; ``None``: ``vocabulary(seed=seed)``.
+
+    Returns:
+      The documents: sentences of 3–60 words, capitalized, ending in ``.``, ``?`` or ``!``
+      and joined by spaces.
+    """
     words = vocabulary(seed=seed) if words is None else words
     rng = np.random.default_rng(seed + 1)
     cdf = np.cumsum(np.arange(1, len(words) + 1) ** -1.1)
@@ -60,7 +79,17 @@ def write_corpus(directory: str | pathlib.Path, total_bytes: int, *, seed: int =
                  file_bytes: int = 64 << 20) -> list[pathlib.Path]:
     """Writes at least ``total_bytes`` of generated documents as ``.jsonl`` files of about
     ``file_bytes`` under ``directory``; returns them. Files already there are kept (rerunning
-    adds nothing)."""
+    adds nothing).
+
+    Args:
+      directory: the output directory (created if missing).
+      total_bytes: the least total size of the files, in bytes (existing files count).
+      seed: the random seed (file ``i``'s documents depend on ``seed + 1000 * i``).
+      file_bytes: each new file's least size, in bytes (filled in batches of 512 documents).
+
+    Returns:
+      The paths ``directory/part-NNNNN.jsonl``, in order.
+    """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     words = vocabulary(seed=seed)

@@ -28,7 +28,18 @@ from gift_jax.data.tokenized import tokenize_split
 def pipeline_tokens_per_s(source, global_batch: int, seq_len: int, *, batches: int = 20,
                           seed: int = 0, split: str = "train") -> float:
     """Training tokens per second of ``batches`` batches of ``[global_batch, seq_len + 1]``
-    (the first batch, which loads the stream, is not timed)."""
+    (the first batch, which loads the stream, is not timed).
+
+    Args:
+      source: a token source (byte-level or tokenized).
+      global_batch, seq_len: the batch shape (:func:`~gift_jax.data.batch_iterator`).
+      batches: the number of timed batches.
+      seed: the batch order's seed.
+      split: the split to read.
+
+    Returns:
+      ``global_batch * seq_len * batches`` over the timed seconds.
+    """
     it = batch_iterator(source, split, global_batch, seq_len, seed=seed)
     next(it)
     t0 = time.perf_counter()
@@ -40,7 +51,16 @@ def pipeline_tokens_per_s(source, global_batch: int, seq_len: int, *, batches: i
 def tokenize_tokens_per_s(source, tokenizer, split: str = "validation") -> tuple[float, int]:
     """``(tokens per second, tokens)`` of tokenizing every document of ``split`` of a byte
     :class:`~gift_jax.data.source.TokenSource` with ``tokenizer`` (reading the records
-    included)."""
+    included).
+
+    Args:
+      source: a byte-level :class:`~gift_jax.data.source.TokenSource`.
+      tokenizer: the tokenizer to time.
+      split: the split to tokenize.
+
+    Returns:
+      ``(tokens per second, tokens)``: the rate and the split's tokenized length.
+    """
     t0 = time.perf_counter()
     n = tokenize_split(source, split, tokenizer, io.BytesIO())
     return n / (time.perf_counter() - t0), n
@@ -53,7 +73,23 @@ def stream_tokens_per_s(source, global_batch: int, seq_len: int, *, workers: int
     pipeline with ``workers`` worker processes, after its first batch (start-up excluded).
     Peak bytes: the largest resident memory of this process and its workers together, sampled
     after every batch (:func:`process_tree_rss`). ``id_cache``: read the ids from this
-    (complete) cache where it has them."""
+    (complete) cache where it has them.
+
+    Args:
+      source: a byte-level :class:`~gift_jax.data.source.TokenSource` or a
+        :class:`~gift_jax.data.tokenized.TokenizedSource` (see
+        :func:`~gift_jax.data.stream_batches`).
+      global_batch, seq_len: the batch shape.
+      workers: the pipeline's worker processes.
+      batches: the number of timed batches.
+      seed: the stream's seed.
+      split: the split to read.
+      id_cache: a local id-cache directory; ``""``: none.
+
+    Returns:
+      ``(tokens per second, peak bytes)``: ``global_batch * seq_len * batches`` over the timed
+      seconds, and the peak resident memory.
+    """
     it = stream_batches(source, split, global_batch, seq_len, seed=seed, workers=workers,
                         id_cache=id_cache)
     next(it)
@@ -67,7 +103,14 @@ def stream_tokens_per_s(source, global_batch: int, seq_len: int, *, workers: int
 
 def process_tree_rss(pid: int | None = None) -> int:
     """Resident bytes of process ``pid`` (default: this one) and all its descendants, from
-    ``/proc`` (0 where it is unavailable)."""
+    ``/proc`` (0 where it is unavailable).
+
+    Args:
+      pid: the root process; ``None``: this process.
+
+    Returns:
+      The sum of the processes' resident set sizes, in bytes.
+    """
     pid = os.getpid() if pid is None else pid
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}

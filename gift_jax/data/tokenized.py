@@ -33,13 +33,36 @@ _CHUNK_DOCS = 512
 
 
 def stream_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest stored dtype of ids below ``vocab_size``."""
+    """The narrowest stored dtype of ids below ``vocab_size``.
+
+    Args:
+      vocab_size: the tokenizer's number of ids.
+
+    Returns:
+      ``uint16`` when ``vocab_size`` <= 65536, else ``int32``.
+    """
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
 
 
 def tokenize_split(source, split: str, tokenizer: Tokenizer, out) -> int:
     """Writes the token stream of ``split`` to the binary file ``out`` (see the module doc) in
-    chunks of documents; returns its length in tokens."""
+    chunks of documents; returns its length in tokens.
+
+    Args:
+      source: a byte-level :class:`~gift_jax.data.source.TokenSource` (its documents are
+        read 512 at a time).
+      split: the split to tokenize.
+      tokenizer: the tokenizer; every document, empty ones included, is followed by its
+        ``eos_id``.
+      out: a writable binary file; receives the raw ids in :func:`stream_dtype` of the
+        vocabulary, native byte order, no header.
+
+    Returns:
+      The number of tokens written.
+
+    Raises:
+      DataError: ``split`` is not a split of ``source``.
+    """
     dtype = stream_dtype(tokenizer.vocab_size)
     eos = np.asarray([tokenizer.eos_id], dtype)
     n, total = source.num_docs(split), 0
@@ -80,14 +103,49 @@ class TokenizedSource:
         return self.source.splits
 
     def num_docs(self, split: str) -> int:
+        """Number of documents in ``split`` (those of the byte-level source).
+
+        Args:
+          split: a split name.
+
+        Returns:
+          The number of documents.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus.
+        """
         return self.source.num_docs(split)
 
     def num_tokens(self, split: str) -> int:
-        """Length of the token stream of ``split`` (documents plus one EOS each)."""
+        """Length of the token stream of ``split`` (documents plus one EOS each).
+
+        Args:
+          split: a split name; on first use its stream is tokenized or mapped (:meth:`stream`).
+
+        Returns:
+          The number of tokens of the stream.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus, or the cache cannot be written.
+        """
         return int(self.stream(split).shape[0])
 
     def read(self, split: str, starts, length: int) -> np.ndarray:
-        """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start."""
+        """Returns ``int32 [len(starts), length]``: the stream of ``split`` at each start.
+
+        Args:
+          split: a split name (see :meth:`stream`).
+          starts: token offsets into the split's stream (any integer array-like, flattened).
+          length: tokens per window.
+
+        Returns:
+          ``int32 [len(starts), length]``: row ``i`` is the stream at ``starts[i] ..
+          starts[i] + length - 1`` (EOS ids included).
+
+        Raises:
+          IndexError: a window that starts before 0 or ends past the stream.
+          DataError: ``split`` is not a split of the corpus, or the cache cannot be written.
+        """
         stream = self.stream(split)
         starts = np.asarray(starts, dtype=np.int64).reshape(-1)
         if starts.size and (starts.min() < 0 or starts.max() + length > stream.shape[0]):
@@ -96,7 +154,21 @@ class TokenizedSource:
         return stream[starts[:, None] + np.arange(length, dtype=np.int64)].astype(np.int32)
 
     def stream(self, split: str) -> np.ndarray:
-        """The whole token stream of ``split`` (a read-only memory map when cached on disk)."""
+        """The whole token stream of ``split`` (a read-only memory map when cached on disk).
+
+        On first use the split is tokenized (:func:`tokenize_split`): in memory without a
+        ``cache_dir``, else once into ``cache_dir/tokens-<fingerprint>/<split>-<n>docs.<dtype>``
+        (read whole when that is on object storage).
+
+        Args:
+          split: a split name.
+
+        Returns:
+          The 1-D stream in :func:`stream_dtype` of the vocabulary.
+
+        Raises:
+          DataError: ``split`` is not a split of the corpus, or the cache cannot be written.
+        """
         if split not in self._streams:
             self._streams[split] = self._load(split)
         return self._streams[split]

@@ -55,11 +55,25 @@ class Tokenizer(Protocol):
     fingerprint: str  # identifies the model: the cache key of tokenized streams
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """The int32 ids of each text, with no special tokens added."""
+        """The int32 ids of each text, with no special tokens added.
+
+        Args:
+          texts: the documents.
+
+        Returns:
+          One 1-D ``int32`` array of ids in ``[0, vocab_size)`` per text.
+        """
         ...
 
     def decode(self, ids) -> str:
-        """The text of a sequence of ids."""
+        """The text of a sequence of ids.
+
+        Args:
+          ids: token ids (any integer array-like).
+
+        Returns:
+          The decoded text.
+        """
         ...
 
 
@@ -76,16 +90,40 @@ class ByteTokenizer:
     fingerprint: str = "byte"
 
     def encode(self, text: str | bytes) -> np.ndarray:
-        """Returns the int32 token ids of ``text`` (a ``str`` is UTF-8 encoded first)."""
+        """Returns the int32 token ids of ``text`` (a ``str`` is UTF-8 encoded first).
+
+        Args:
+          text: a string, or its bytes.
+
+        Returns:
+          ``int32 [len(bytes)]``: one id in ``[0, 256)`` per byte.
+        """
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """The ids of each text."""
+        """The ids of each text.
+
+        Args:
+          texts: the documents (``str`` or ``bytes``).
+
+        Returns:
+          One ``int32`` array of byte ids per text (see :meth:`encode`).
+        """
         return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
-        """Returns the text of a sequence of ids in ``[0, 256)``."""
+        """Returns the text of a sequence of ids in ``[0, 256)``.
+
+        Args:
+          ids: byte ids (any integer array-like).
+
+        Returns:
+          The bytes decoded as UTF-8, invalid sequences replaced by U+FFFD.
+
+        Raises:
+          ValueError: an id outside ``[0, 256)``.
+        """
         arr = np.asarray(ids)
         if arr.size and (arr.min() < 0 or arr.max() >= VOCAB_SIZE):
             raise ValueError(f"byte tokenizer ids must lie in [0, {VOCAB_SIZE}), got {arr}")
@@ -93,7 +131,18 @@ class ByteTokenizer:
 
 
 def require_package(module: str, spec: str):
-    """Imports ``module``, or raises DataError naming the ``data.tokenizer`` that needs it."""
+    """Imports ``module``, or raises DataError naming the ``data.tokenizer`` that needs it.
+
+    Args:
+      module: the top-level module to import (``"sentencepiece"``, ``"tokenizers"``).
+      spec: the ``data.tokenizer`` value (or file) that needs it, for the message.
+
+    Returns:
+      The imported module.
+
+    Raises:
+      DataError: ``module`` is not installed.
+    """
     try:
         return __import__(module)
     except ImportError:
@@ -122,6 +171,18 @@ class SentencePieceTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> SentencePieceTokenizer:
+        """Loads a SentencePiece ``.model`` file.
+
+        Args:
+          path: the file (local or object storage); also the tokenizer's name in messages.
+
+        Returns:
+          The tokenizer.
+
+        Raises:
+          DataError: ``sentencepiece`` is missing, or the file is not a SentencePiece model (or
+            has no ``</s>``).
+        """
         return cls(epath.Path(path).read_bytes(), name=path)
 
     def __reduce__(self):  # data worker processes rebuild it from the model's bytes
@@ -129,10 +190,25 @@ class SentencePieceTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text (no BOS/EOS; SentencePiece encodes the batch in threads, each
-        text independently, so the result does not depend on the thread count)."""
+        text independently, so the result does not depend on the thread count).
+
+        Args:
+          texts: the documents.
+
+        Returns:
+          One 1-D ``int32`` array of piece ids per text.
+        """
         return [np.asarray(ids, np.int32) for ids in self._sp.encode(list(texts))]
 
     def decode(self, ids) -> str:
+        """The text of a sequence of piece ids.
+
+        Args:
+          ids: piece ids (any integer array-like; flattened).
+
+        Returns:
+          The decoded text.
+        """
         return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
@@ -161,17 +237,44 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str) -> HFTokenizer:
+        """Loads a Hugging Face ``tokenizer.json`` file.
+
+        Args:
+          path: the file (local or object storage); also the tokenizer's name in messages.
+
+        Returns:
+          The tokenizer.
+
+        Raises:
+          DataError: ``tokenizers`` is missing, the file is not a ``tokenizer.json``, or its
+            vocabulary has none of :data:`EOS_TOKENS`.
+        """
         return cls(epath.Path(path).read_text(encoding="utf-8"), name=path)
 
     def __reduce__(self):  # data worker processes rebuild it from the file's text
         return HFTokenizer, (self._json, self._name)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """The ids of each text, without the post-processor's special tokens."""
+        """The ids of each text, without the post-processor's special tokens.
+
+        Args:
+          texts: the documents.
+
+        Returns:
+          One 1-D ``int32`` array of ids per text.
+        """
         encoded = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, np.int32) for e in encoded]
 
     def decode(self, ids) -> str:
+        """The text of a sequence of ids, special tokens kept.
+
+        Args:
+          ids: token ids (any integer array-like; flattened).
+
+        Returns:
+          The decoded text.
+        """
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
                                 skip_special_tokens=False)
 
@@ -191,7 +294,16 @@ class TokenizerSpec:
 
 def parse_tokenizer(spec: str) -> TokenizerSpec | None:
     """The :class:`TokenizerSpec` of a ``data.tokenizer`` value, or ``None`` when it has none
-    of the forms of :data:`TOKENIZER_HELP`. Reads nothing from disk."""
+    of the forms of :data:`TOKENIZER_HELP`. Reads nothing from disk.
+
+    Args:
+      spec: a ``data.tokenizer`` value (anything else than a non-empty string gives ``None``).
+
+    Returns:
+      ``byte``; ``spm``/``bpe`` with ``vocab=N`` (``N`` >= :data:`MIN_TRAINED_VOCAB`, else
+      ``None``); ``spm_file`` (``*.model``) or ``hf_file`` (``*tokenizer.json``) with ``path``
+      ``~``-expanded; or ``None``.
+    """
     if not isinstance(spec, str) or not spec:
         return None
     if spec == "byte":
@@ -209,7 +321,18 @@ def parse_tokenizer(spec: str) -> TokenizerSpec | None:
 
 
 def load_tokenizer_file(spec: TokenizerSpec) -> Tokenizer:
-    """The tokenizer of a ``spm_file`` / ``hf_file`` spec; a missing file raises DataError."""
+    """The tokenizer of a ``spm_file`` / ``hf_file`` spec; a missing file raises DataError.
+
+    Args:
+      spec: a parsed spec with ``path`` set.
+
+    Returns:
+      A :class:`SentencePieceTokenizer` (``spm_file``) or an :class:`HFTokenizer` (``hf_file``).
+
+    Raises:
+      DataError: the file is missing or unreadable, its package is not installed, or it is not
+        a valid model of its kind.
+    """
     if not epath.Path(spec.path).is_file():
         raise DataError(f"data.tokenizer={spec.path!r}: no such file")
     try:
@@ -223,7 +346,17 @@ def load_tokenizer_file(spec: TokenizerSpec) -> Tokenizer:
 
 def tokenizer_vocab_size(setting: str) -> int:
     """The vocabulary of a ``data.tokenizer`` value, known without training or preparing
-    anything: 256, the ``N`` of ``spm:N`` / ``bpe:N``, or the size of the file's model."""
+    anything: 256, the ``N`` of ``spm:N`` / ``bpe:N``, or the size of the file's model.
+
+    Args:
+      setting: a ``data.tokenizer`` value (a file is loaded to read its size).
+
+    Returns:
+      The number of ids (unpadded).
+
+    Raises:
+      DataError: an unsupported value, or a file that cannot be loaded.
+    """
     spec = parse_tokenizer(setting)
     if spec is None:
         raise DataError(f"data.tokenizer={setting!r} is not supported; allowed: {TOKENIZER_HELP}")
@@ -235,13 +368,33 @@ def tokenizer_vocab_size(setting: str) -> int:
 
 
 def padded_vocab_size(vocab: int, multiple: int = VOCAB_MULTIPLE) -> int:
-    """``vocab`` rounded up to a multiple of ``multiple`` (50257 -> 50304, 32000 -> 32000)."""
+    """``vocab`` rounded up to a multiple of ``multiple`` (50257 -> 50304, 32000 -> 32000).
+
+    Args:
+      vocab: a tokenizer's vocabulary size.
+      multiple: the padding multiple (:data:`VOCAB_MULTIPLE`).
+
+    Returns:
+      The smallest multiple of ``multiple`` that is >= ``vocab``.
+    """
     return -(-vocab // multiple) * multiple
 
 
 def vocab_mismatch(model_vocab: int, setting: str) -> str | None:
     """``None`` when ``model.vocab_size`` is the padded vocabulary of tokenizer ``setting``,
-    else one line naming both numbers and the two fixes."""
+    else one line naming both numbers and the two fixes.
+
+    Args:
+      model_vocab: ``model.vocab_size``.
+      setting: a ``data.tokenizer`` value.
+
+    Returns:
+      ``None`` when ``model_vocab`` equals :func:`padded_vocab_size` of the tokenizer's
+      vocabulary, else the message.
+
+    Raises:
+      DataError: an unsupported ``setting``, or a tokenizer file that cannot be loaded.
+    """
     vocab = tokenizer_vocab_size(setting)
     padded = padded_vocab_size(vocab)
     if model_vocab == padded:

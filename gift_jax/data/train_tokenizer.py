@@ -53,7 +53,20 @@ _CHUNK_DOCS = 256
 
 def training_texts(source, max_chars: int = MAX_TRAIN_CHARS, split: str = "train"
                    ) -> Iterator[str]:
-    """The documents of ``split`` in record order, cut off after ``max_chars`` characters."""
+    """The documents of ``split`` in record order, cut off after ``max_chars`` characters.
+
+    Args:
+      source: a byte-level :class:`~gift_jax.data.source.TokenSource`.
+      max_chars: the total number of characters to yield.
+      split: the split to read.
+
+    Yields:
+      Each document decoded as UTF-8 (invalid bytes replaced), the last one truncated so that
+      the total is at most ``max_chars``; documents are read 256 at a time.
+
+    Raises:
+      DataError: ``split`` is not a split of ``source``.
+    """
     left = max_chars
     n = source.num_docs(split)
     for lo in range(0, n, _CHUNK_DOCS):
@@ -70,6 +83,18 @@ def train_sentencepiece(texts: Iterator[str], vocab_size: int) -> bytes:
 
     Lines (with their newline) are the training sentences; ``<unk>``, ``<s>``, ``</s>`` are
     ids 0, 1, 2 and the 256 byte pieces follow.
+
+    Args:
+      texts: the training documents (:func:`training_texts`); blank lines are skipped, lines
+        longer than 16384 bytes are skipped by SentencePiece.
+      vocab_size: the number of pieces.
+
+    Returns:
+      The serialized model (the contents of a ``.model`` file).
+
+    Raises:
+      DataError: ``sentencepiece`` is not installed, or training failed (e.g. ``vocab_size``
+        too large for the text; the message carries SentencePiece's last line).
     """
     spm = require_package("sentencepiece", f"spm:{vocab_size}")
     lines = (line for text in texts for line in text.splitlines(keepends=True) if line.strip())
@@ -92,7 +117,18 @@ def train_sentencepiece(texts: Iterator[str], vocab_size: int) -> bytes:
 def train_bpe(texts: Iterator[str], vocab_size: int) -> str:
     """The ``tokenizer.json`` text of a GPT-2-style byte-level BPE of exactly ``vocab_size``
     ids (the 256 bytes, ``<|endoftext|>`` and merges); a corpus too small for that many
-    merges raises :class:`DataError` with the size it supports."""
+    merges raises :class:`DataError` with the size it supports.
+
+    Args:
+      texts: the training documents (:func:`training_texts`).
+      vocab_size: the number of ids, special token included.
+
+    Returns:
+      The tokenizer's JSON (the contents of a ``tokenizer.json`` file).
+
+    Raises:
+      DataError: ``tokenizers`` is not installed, or training yields another number of ids.
+    """
     tokenizers = require_package("tokenizers", f"bpe:{vocab_size}")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -115,7 +151,20 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> str:
 
 def trained_path(cache_dir: str, corpus: str, kind: str, vocab_size: int,
                  max_chars: int = MAX_TRAIN_CHARS) -> str:
-    """Where the ``kind`` (``spm``/``bpe``) tokenizer of ``corpus`` is cached."""
+    """Where the ``kind`` (``spm``/``bpe``) tokenizer of ``corpus`` is cached.
+
+    Args:
+      cache_dir: the corpus's artifact directory (local or ``gs://``).
+      corpus: the corpus's name (``source.name``).
+      kind: ``"spm"`` or ``"bpe"``.
+      vocab_size: the number of ids.
+      max_chars: the training text's length in characters.
+
+    Returns:
+      ``cache_dir/<kind>_<vocab_size>_<hash>.model`` (``spm``) or ``...tokenizer.json``
+      (``bpe``), the hash being 12 hex digits of the SHA-1 of ``corpus``, ``kind``,
+      ``vocab_size``, ``max_chars`` and :data:`TRAINER_VERSION`.
+    """
     key = f"{corpus}|{kind}|{vocab_size}|{max_chars}|v{TRAINER_VERSION}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     suffix = ".model" if kind == "spm" else ".tokenizer.json"
@@ -125,7 +174,22 @@ def trained_path(cache_dir: str, corpus: str, kind: str, vocab_size: int,
 def trained_tokenizer(source, kind: str, vocab_size: int, cache_dir: str,
                       max_chars: int = MAX_TRAIN_CHARS) -> Tokenizer:
     """The ``spm``/``bpe`` tokenizer of ``vocab_size`` ids trained on ``source``'s train split,
-    loaded from ``cache_dir`` or trained once and written there."""
+    loaded from ``cache_dir`` or trained once and written there.
+
+    Args:
+      source: a byte-level :class:`~gift_jax.data.source.TokenSource`.
+      kind: ``"spm"`` (:func:`train_sentencepiece`) or ``"bpe"`` (:func:`train_bpe`).
+      vocab_size: the number of ids.
+      cache_dir: where the model is cached (:func:`trained_path`).
+      max_chars: characters of the train split to train on (:func:`training_texts`).
+
+    Returns:
+      A :class:`~gift_jax.data.tokenizer.SentencePieceTokenizer` or
+      :class:`~gift_jax.data.tokenizer.HFTokenizer`.
+
+    Raises:
+      DataError: training failed, a package is missing, or the cache cannot be written.
+    """
     path = trained_path(cache_dir, source.name, kind, vocab_size, max_chars)
 
     def train(tmp) -> None:
@@ -149,6 +213,20 @@ def get_tokenizer(setting: str, source=None, cache_dir: str | None = None, *,
     ``spm:N`` / ``bpe:N`` train on ``source``'s train split (at most ``max_chars`` characters,
     default :data:`MAX_TRAIN_CHARS`) and cache the model under
     ``cache_dir``; the other forms need neither. Bad values raise :class:`DataError`.
+
+    Args:
+      setting: a ``data.tokenizer`` value (see :data:`~gift_jax.data.tokenizer.TOKENIZER_HELP`).
+      source: the byte-level corpus to train on (``spm:N`` / ``bpe:N`` only).
+      cache_dir: where trained models are cached (``spm:N`` / ``bpe:N`` only; usually
+        :func:`gift_jax.data.source.artifact_dir`).
+      max_chars: training characters; ``None``: :data:`MAX_TRAIN_CHARS`.
+
+    Returns:
+      A :class:`~gift_jax.data.tokenizer.Tokenizer`.
+
+    Raises:
+      DataError: an unsupported value, a missing or invalid tokenizer file, ``spm:N`` /
+        ``bpe:N`` without ``source`` or ``cache_dir``, or a failed training.
     """
     spec = parse_tokenizer(setting)
     if spec is None:

@@ -112,6 +112,14 @@ def systematic_indices(p: jax.Array, u: jax.Array, k: int) -> jax.Array:
 
     ``S = searchsorted(c, u + arange(k), side="right")`` with ``c = cumsum(p)``, its last
     entry set to exactly ``k``, then forced strictly increasing within ``[0, r)``.
+
+    Args:
+      p: inclusion probabilities, shape ``(r,)``, ``0 ≤ p ≤ 1``, ``Σ p ≈ k``.
+      u: the pointer offset, a scalar in ``[0, 1)`` (:func:`systematic_sample` draws it).
+      k: static number of indices, ``1 <= k <= r``.
+
+    Returns:
+      int32 indices, shape ``(k,)``, strictly increasing, index ``j`` in ``[j, r − k + j]``.
     """
     (r,) = p.shape
     c = jnp.cumsum(p.astype(jnp.float32))
@@ -144,7 +152,15 @@ def plumage_projector(
 
 
 def galore_projector(u: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """GaLore projector: top-``k`` left singular vectors, ``D = I`` (biased, deterministic)."""
+    """GaLore projector: top-``k`` left singular vectors, ``D = I`` (biased, deterministic).
+
+    Args:
+      u: left singular vectors, shape ``(M, r)``, columns by descending singular value.
+      k: static rank, ``k <= r``.
+
+    Returns:
+      ``(P, p)``: ``u[:, :k]`` of shape ``(M, k)`` and ones of shape ``(k,)`` (float32).
+    """
     return u[:, :k], jnp.ones((k,), jnp.float32)
 
 
@@ -152,6 +168,14 @@ def flora_projector(key: jax.Array, m: int, k: int) -> tuple[jax.Array, jax.Arra
     """FLORA projector: ``P`` with i.i.d. ``N(0, 1/k)`` entries, so ``E[P Pᵀ] = I``.
 
     ``P Pᵀ G`` is then an unbiased estimate of ``G`` (arXiv 2402.03293); ``D = I``.
+
+    Args:
+      key: PRNG key of the draw (identical on every replica for replica-identical projections).
+      m: static number of rows ``M`` (the projected side).
+      k: static rank.
+
+    Returns:
+      ``(P, p)``: float32 ``P`` of shape ``(m, k)`` and ones of shape ``(k,)``.
     """
     p = jax.random.normal(key, (m, k), jnp.float32) / jnp.sqrt(jnp.float32(k))
     return p, jnp.ones((k,), jnp.float32)
@@ -199,6 +223,13 @@ def realignment_matrix(new_proj: jax.Array, old_proj: jax.Array) -> jax.Array:
 
     A moment ``M`` with full-space meaning ``P₁ M`` has coordinates ``P₂ᵀ P₁ M = B M`` in the
     new basis (its orthogonal projection when ``P₂`` is orthonormal).
+
+    Args:
+      new_proj: the new projector ``P₂``, shape ``(M, k)``.
+      old_proj: the old projector ``P₁``, shape ``(M, k)``.
+
+    Returns:
+      ``B``, shape ``(k, k)``.
     """
     return new_proj.T @ old_proj
 
@@ -210,6 +241,14 @@ def realign_moments(
 
     The second-moment rule is the diagonal of ``B diag(v) Bᵀ`` — exact when the coordinates
     are uncorrelated — and keeps ``V ≥ 0``.
+
+    Args:
+      b: the realignment matrix ``B`` of :func:`realignment_matrix`, shape ``(k, k)``.
+      mu: the first moment ``M`` in the old coordinates, shape ``(k, N)``.
+      nu: the second moment ``V`` in the old coordinates, shape ``(k, N)``.
+
+    Returns:
+      ``(B M, (B∘B) V)``, the moments in the new coordinates, shapes as ``mu`` and ``nu``.
     """
     return b @ mu, (b * b) @ nu
 
@@ -223,6 +262,14 @@ def transfer_bias_mass(b_normalized: jax.Array, mass: jax.Array) -> jax.Array:
     ``B̃`` built from unit-norm columns. A direction orthogonal to the old subspace restarts
     from zero mass, so its first bias-corrected step has the normal size instead of being
     ``1/(1 − β)`` times too small/large.
+
+    Args:
+      b_normalized: ``B̃ = P̃₂ᵀ P̃₁`` of the unit-norm columns of the new and old projectors,
+        shape ``(k, k)``.
+      mass: per-row mass ``1 − βᵗ`` in the old basis, shape ``(k,)``.
+
+    Returns:
+      The per-row mass in the new basis, shape ``(k,)``, in ``[0, 1]``.
     """
     return jnp.clip((b_normalized * b_normalized) @ mass, 0.0, 1.0)
 
@@ -233,6 +280,13 @@ def projector_overlap(new_proj: jax.Array, old_proj: jax.Array) -> jax.Array:
     For orthonormal ``P₁, P₂`` (k columns each) the cosines are the singular values of
     ``P₂ᵀ P₁``, so the mean of their squares is ``‖P₂ᵀ P₁‖²_F / k``: 1 for the same subspace,
     0 for orthogonal ones.
+
+    Args:
+      new_proj: ``P₂``, shape ``(M, k)``, orthonormal columns.
+      old_proj: ``P₁``, shape ``(M, k)``, orthonormal columns.
+
+    Returns:
+      A scalar in ``[0, 1]`` (for orthonormal inputs).
     """
     k = new_proj.shape[-1]
     return jnp.sum(jnp.square(new_proj.T @ old_proj)) / k

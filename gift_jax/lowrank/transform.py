@@ -125,6 +125,16 @@ class Settings:
         return self.resample_every is not None and self.strategy == "plumage"
 
     def layouts(self, tree: Any) -> Any:
+        """The per-leaf layouts of a params-structured tree under these settings.
+
+        Args:
+          tree: params, updates or gradients (arrays or shape-dtype structs; only shapes are
+            read), with the structure of params.
+
+        Returns:
+          :func:`~gift_jax.lowrank.views.resolve_layouts` of ``tree``: a :class:`LeafLayout`
+          per projected leaf, ``None`` per dense one.
+        """
         return resolve_layouts(tree, self.rank, self.weight_dimension_numbers, self.mask)
 
     @classmethod
@@ -132,6 +142,41 @@ class Settings:
               b1, b2, eps, eps_root, scale, seed, weight_dimension_numbers, mask,
               adaptive_refresh, communicate, axis_name, communicate_refresh,
               distribute_refresh) -> Settings:
+        """Validates the arguments of :func:`scale_by_plumage` and stores them.
+
+        Args:
+          rank: as :func:`scale_by_plumage`; checked here only when an int (a per-leaf tree or
+            callable is checked leaf by leaf in :func:`~gift_jax.lowrank.views.resolve_layouts`).
+          refresh_every: SVD refresh interval τ, an int ``>= 1``.
+          strategy, resample_every, realign, scale, seed, weight_dimension_numbers, mask: as
+            :func:`scale_by_plumage`, stored as given.
+          unbiased_scaling: ``"before_moments"`` or ``"after_moments"``, stored as
+            ``scale_before``.
+          b1, b2, eps, eps_root: Adam hyperparameters; ``b1``, ``b2`` checked to lie in
+            ``[0, 1)`` when they are numbers (not when injected arrays).
+          adaptive_refresh: an :class:`AdaptiveRefresh` or ``None``, stored as ``adaptive``.
+          communicate: the projected tree's reduction stage or ``None``; stored (``comm``)
+            wrapped by ``optax.with_extra_args_support``.
+          axis_name: the axis to spread refresh SVDs over; ``None``: the reduced axis of the
+            refresh stage when it is an :func:`~gift_jax.comm.stage.allreduce`, else local.
+          communicate_refresh: the full tree's stage of refresh steps; ``None``:
+            ``communicate``. Stored (``comm_refresh``) wrapped like it.
+          distribute_refresh: ``False`` stores ``axis_name=None`` (every replica computes every
+            SVD).
+
+        Returns:
+          The frozen :class:`Settings`.
+
+        Raises:
+          ValueError: an int ``rank < 1`` (or a bool), ``refresh_every`` or ``resample_every``
+            not an int ``>= 1``, an unknown ``strategy`` or ``unbiased_scaling``,
+            ``resample_every`` with ``"galore"``, ``b1``/``b2`` outside ``[0, 1)``,
+            ``adaptive_refresh`` with ``"flora"`` or with bounds that do not satisfy
+            ``1 <= min_every <= refresh_every <= max_every`` and ``0 <= low <= high <= 1``, or
+            ``communicate_refresh`` without ``communicate``.
+          TypeError: ``adaptive_refresh`` not an :class:`AdaptiveRefresh`, or ``communicate`` /
+            ``communicate_refresh`` not an ``optax.GradientTransformation``.
+        """
         if isinstance(rank, bool) or (isinstance(rank, int) and rank < 1):
             raise ValueError(
                 f"rank must be an int >= 1 (or a per-leaf tree/callable), got {rank!r}")
@@ -213,7 +258,17 @@ def _select(accept: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
 
 def init_leaf(x: jax.Array, lay: LeafLayout | None, keep_basis: bool) -> LeafState:
     """Zero moments; before the first refresh ``P`` spans the first ``k`` coordinate axes and
-    ``D = I``."""
+    ``D = I``.
+
+    Args:
+      x: the parameter leaf (an array or shape-dtype struct; only its shape is read).
+      lay: its layout; ``None``: a dense leaf (full-shape fp32 moments, ``(0,)`` placeholders).
+      keep_basis: store the SVD (``Settings.keep_basis``: PLUMAGE with ``resample_every``),
+        initially ``basis = eye(M, N)`` and ``spectrum = 0``; ``False``: ``(0,)`` placeholders.
+
+    Returns:
+      The leaf's initial :class:`LeafState`.
+    """
     empty = functools.partial(jnp.zeros, (0,), jnp.float32)  # distinct buffers (donation)
     if lay is None:
         zeros = functools.partial(jnp.zeros, x.shape, jnp.float32)
@@ -239,7 +294,20 @@ def draw_projector(strategy: str, key: jax.Array, lay: LeafLayout, u: jax.Array 
     PLUMAGE: minimum-variance inclusion probabilities ``p`` (KKT solution of ``min Σσᵢ²/pᵢ``,
     ``Σp = k``), a systematic sample ``S`` of exactly ``k`` directions, ``P = U[:, S]``,
     ``D = diag(p_S)`` (:func:`estimator.plumage_projector`). GaLore: ``U[:, :k]``, ``D = I``.
-    FLORA: a fresh Gaussian ``N(0, 1/k)`` matrix, ``D = I`` (``u``, ``sigma`` unused)."""
+    FLORA: a fresh Gaussian ``N(0, 1/k)`` matrix, ``D = I`` (``u``, ``sigma`` unused).
+
+    Args:
+      strategy: ``"plumage"``, ``"galore"`` or ``"flora"``.
+      key: the leaf's PRNG key, split into one key per batch element.
+      lay: the leaf's layout (batch size, ``M`` and rank ``k``).
+      u: left singular vectors per batch element, ``(batch, M, N)``; ``None`` for FLORA.
+      sigma: their singular values, ``(batch, N)``, descending; ``None`` for FLORA (GaLore
+        does not read it).
+
+    Returns:
+      ``(P, p)``: projectors ``(batch, M, k)`` and probabilities ``(batch, k)``, fp32 (``p``
+      ones for GaLore and FLORA).
+    """
     keys = jax.random.split(jax.random.fold_in(key, 0), lay.batch)
     if strategy == "plumage":
         fn = functools.partial(estimator.plumage_projector, k=lay.rank)
@@ -257,7 +325,20 @@ def change_projection(leaf: LeafState, proj: jax.Array, probs: jax.Array, accept
     With ``B = P̃₂ᵀ P̃₁`` (unit-norm columns: equal to ``P₂ᵀP₁`` for orthonormal PLUMAGE/GaLore
     projectors, the orthogonal-projection transfer for FLORA's Gaussian ones):
     ``M ← B M``, ``V ← (B∘B) V`` (PLUMAGE, arXiv 2505.18313) and the per-row bias-correction
-    masses ``w ← clip((B∘B) w, 0, 1)``. ``realign=False`` keeps the moments (GaLore)."""
+    masses ``w ← clip((B∘B) w, 0, 1)``. ``realign=False`` keeps the moments (GaLore).
+
+    Args:
+      leaf: the leaf's state before the change.
+      proj: the new projectors ``P₂``, ``(batch, M, k)``.
+      probs: their probabilities ``p_S``, ``(batch, k)`` (ones for GaLore and FLORA).
+      accept: ``(batch,)`` bool: the batch elements that take the new projection; the others
+        keep their projector, probabilities, moments and masses.
+      realign: realign the moments and masses (``Settings.realign``); ``False``: only ``P``
+        and ``D`` change.
+
+    Returns:
+      The updated :class:`LeafState`.
+    """
     proj = _select(accept, proj, leaf.projector)
     probs = _select(accept, probs, leaf.probs)
     mu, nu, mm, nm = leaf.mu, leaf.nu, leaf.mu_mass, leaf.nu_mass
@@ -278,7 +359,18 @@ def adapt_interval(rule: AdaptiveRefresh, interval: jax.Array, refreshes: jax.Ar
     ``ω`` is the mean squared cosine of the principal angles between the old projector ``P₁``
     and the new dominant rank-``k`` subspace ``U₂`` (1: unchanged, 0: orthogonal). ``ω ≥ high``
     → ``τ ← min(2τ, max_every)``; ``ω < low`` → ``τ ← max(τ // 2, min_every)``; unchanged at the
-    first refresh or when no leaf was accepted. ``overlaps``: per leaf (Σ overlap, #accepted)."""
+    first refresh or when no leaf was accepted.
+
+    Args:
+      rule: the :class:`AdaptiveRefresh` bounds and thresholds.
+      interval: the current τ, ``()`` int32.
+      refreshes: refreshes before this one, ``()`` int32 (0: the first refresh, τ unchanged).
+      overlaps: per projected leaf, ``(Σ overlap, #accepted)`` over its accepted batch
+        elements, fp32 scalars.
+
+    Returns:
+      The new τ, ``()`` int32.
+    """
     total = sum(o for o, _ in overlaps)
     weight = sum(w for _, w in overlaps)
     omega = total / jnp.maximum(weight, 1.0)
@@ -300,7 +392,20 @@ def refresh(s: Settings, state: PlumageState, grads: Any, layouts: Any,
     over ``axis`` when given, see :func:`gift_jax.utils.linalg.map_matrices_grouped`), then
     :func:`draw_projector` and :func:`change_projection`. A batch element whose gradient is
     not finite keeps its projection (counted in ``skipped_refreshes``); τ follows
-    :func:`adapt_interval` if ``s.adaptive``."""
+    :func:`adapt_interval` if ``s.adaptive``.
+
+    Args:
+      s: the transformation's settings.
+      state: the state before the refresh (the caller sets its communication states aside).
+      grads: the gradients, with the structure of params: reduced across replicas when
+        ``communicate`` is set, local otherwise (FLORA reads only their structure).
+      layouts: :meth:`Settings.layouts` of ``grads``.
+      axis: the bound mesh axis (or tuple) to spread the SVDs over; ``None``: every SVD here.
+
+    Returns:
+      The state with a new key and projections, τ (``refresh_interval``), ``refreshes + 1``
+      and ``skipped_refreshes``; ``count`` and ``last_refresh`` are left to the caller.
+    """
     key, sub = jax.random.split(state.key)
     flat, treedef = jax.tree.flatten(grads)
     lays = treedef.flatten_up_to(layouts)
@@ -343,7 +448,16 @@ def refresh(s: Settings, state: PlumageState, grads: Any, layouts: Any,
 
 def resample(s: Settings, state: PlumageState, layouts: Any) -> PlumageState:
     """Redraw ``S`` (PLUMAGE, from the stored ``U``, ``σ``) or the Gaussian (FLORA) without a
-    new SVD (every κ = ``resample_every`` steps), then :func:`change_projection`."""
+    new SVD (every κ = ``resample_every`` steps), then :func:`change_projection`.
+
+    Args:
+      s: the transformation's settings.
+      state: the state before the redraw (its stored ``basis`` and ``spectrum`` for PLUMAGE).
+      layouts: :meth:`Settings.layouts` of the parameters.
+
+    Returns:
+      The state with a new key and every projected leaf's projection redrawn.
+    """
     key, sub = jax.random.split(state.key)
     treedef = jax.tree.structure(layouts, is_leaf=lambda x: x is None or isinstance(
         x, LeafLayout))
@@ -358,7 +472,17 @@ def resample(s: Settings, state: PlumageState, layouts: Any) -> PlumageState:
 
 
 def coordinates(s: Settings, g: jax.Array, lay: LeafLayout | None, leaf: LeafState) -> jax.Array:
-    """``R = D⁻¹PᵀG`` ("before_moments") or ``PᵀG``, ``(batch, k, N)``; dense leaves: ``G``."""
+    """``R = D⁻¹PᵀG`` ("before_moments") or ``PᵀG``, ``(batch, k, N)``; dense leaves: ``G``.
+
+    Args:
+      s: the transformation's settings (``scale_before`` picks the variant).
+      g: one leaf's gradient, in the leaf's shape.
+      lay: the leaf's layout; ``None``: dense.
+      leaf: the leaf's state (its ``projector`` and ``probs``).
+
+    Returns:
+      The fp32 coordinates ``(batch, k, N)``, or ``g`` unchanged for a dense leaf.
+    """
     if lay is None:
         return g
     r = jnp.einsum("bmk,bmn->bkn", leaf.projector, lay.to_matrix(g).astype(jnp.float32))
@@ -372,7 +496,22 @@ def adam_step(s: Settings, r: jax.Array, lay: LeafLayout | None, leaf: LeafState
     Projected leaves use per-row bias correction (the masses ``w``, which
     :func:`change_projection` carries across projection changes) when ``realign``, else the
     global ``1 − βᵗ`` (``bc1``, ``bc2``); the step ``X = m̂ / (√(v̂ + ε_root) + ε)`` becomes
-    ``scale · P X`` ("before_moments") or ``scale · P D⁻¹ X``."""
+    ``scale · P X`` ("before_moments") or ``scale · P D⁻¹ X``.
+
+    Args:
+      s: the transformation's settings (Adam hyperparameters, ``realign``, ``scale_before``,
+        ``scale``).
+      r: the leaf's coordinates ``(batch, k, N)`` (:func:`coordinates`, reduced when
+        ``communicate`` is set), or a dense leaf's gradient.
+      lay: the leaf's layout; ``None``: dense (plain Adam, no ``scale``).
+      leaf: the leaf's state before the step.
+      bc1, bc2: the global bias corrections ``1 − β₁ᵗ``, ``1 − β₂ᵗ`` at this step's count
+        ``t`` (1 on the first step).
+
+    Returns:
+      ``(update, leaf)``: the fp32 update in the leaf's shape and the :class:`LeafState` with
+      the new moments (and masses).
+    """
     b1, b2, eps, eps_root = s.b1, s.b2, s.eps, s.eps_root
     r = r.astype(jnp.float32)
     mu = (1 - b1) * r + b1 * leaf.mu
@@ -606,6 +745,11 @@ def scale_by_plumage(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`PlumageState`.
+
+    Raises:
+      ValueError: an invalid setting (see :meth:`Settings.build`).
+      TypeError: ``adaptive_refresh``, ``communicate`` or ``communicate_refresh`` of the wrong
+        type.
     """
     s = Settings.build(
         rank, refresh_every, strategy=strategy, resample_every=resample_every, realign=realign,
@@ -728,6 +872,14 @@ def plumage(
       strategy, resample_every, realign, unbiased_scaling, b1, b2, eps, eps_root, scale, seed,
       weight_dimension_numbers, mask, adaptive_refresh, communicate, communicate_refresh,
       axis_name, distribute_refresh: see :func:`scale_by_plumage`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``: the chain :func:`scale_by_plumage`,
+      ``optax.add_decayed_weights``, ``optax.scale_by_learning_rate`` (its state holds the
+      :class:`PlumageState`, see :func:`find_plumage_state`).
+
+    Raises:
+      ValueError, TypeError: as :func:`scale_by_plumage`.
     """
     return optax.chain(
         scale_by_plumage(
@@ -760,15 +912,15 @@ def find_plumage_state(opt_state: Any) -> PlumageState:
     """The :class:`PlumageState` inside a possibly nested optimizer state, found by type
     (``optax.tree.get``), not by position.
 
-    Raises:
-      ValueError: there is none, or more than one (a chain with two PLUMAGE stages must pick
-        its state itself).
-
     Args:
       opt_state: an optimizer state that holds one :class:`PlumageState` anywhere.
 
     Returns:
       That state.
+
+    Raises:
+      ValueError: there is none, or more than one (a chain with two PLUMAGE stages must pick
+        its state itself).
     """
     try:
         state = optax.tree.get(opt_state, PlumageState.__name__)

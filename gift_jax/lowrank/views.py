@@ -89,11 +89,26 @@ class LeafLayout:
         return (self.batch, self.m, self.rank)
 
     def to_matrix(self, x: jax.Array) -> jax.Array:
-        """Leaf → oriented ``(batch, M, N)``."""
+        """Leaf → oriented ``(batch, M, N)``.
+
+        Args:
+          x: an array with the leaf's axes (sizes may differ, see
+            :meth:`gift_jax.utils.matrices.MatrixView.to_matrix`).
+
+        Returns:
+          ``x`` as ``(batch, M, N)``: batch axes flattened in front, the projected side first.
+        """
         return self.view.to_matrix(x, reduction_first=self.side == "reduction")
 
     def from_matrix(self, y: jax.Array) -> jax.Array:
-        """Oriented ``(batch, M, N)`` → leaf shape."""
+        """Oriented ``(batch, M, N)`` → leaf shape.
+
+        Args:
+          y: a ``(batch, M, N)`` array, e.g. a back-projected update.
+
+        Returns:
+          ``y`` reshaped and transposed to the leaf's shape and axis order.
+        """
         return self.view.from_matrix(y, reduction_first=self.side == "reduction")
 
 
@@ -127,6 +142,16 @@ def resolve_layouts(
       weight_dimension_numbers: None, one :class:`LowRankDimensionNumbers` (applied to every
         leaf with ``ndim >= 2``), a pytree of them (``None`` leaves: default rule), or a callable.
       mask: None, a pytree of bools, or a callable returning one.
+
+    Returns:
+      A pytree with the structure of ``params``: a :class:`LeafLayout` per projected leaf,
+      ``None`` per dense one.
+
+    Raises:
+      ValueError: a ``rank``, ``mask`` or ``weight_dimension_numbers`` tree without the
+        structure of ``params``; a rank that is not an int ``>= 1``; a leaf of other than 2
+        dims that the mask selects without dimension numbers; dimension numbers that do not fit
+        the leaf's shape.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     n = len(leaves)

@@ -130,7 +130,18 @@ def check_decoder_fields(cfg: Any, *, positive_ints: Sequence[str],
 def config_from_mapping(cls: type, mapping: Mapping[str, Any]) -> Any:
     """``cls(**mapping)`` for a config dataclass; unknown keys raise ``ValueError`` (a typo
     in a config file is not ignored), ``family`` among them: a run's ``model`` group goes
-    through :func:`gift_jax.models.model_config_of`, which checks it names this family."""
+    through :func:`gift_jax.models.model_config_of`, which checks it names this family.
+
+    Args:
+      cls: the family's config dataclass.
+      mapping: its field values by name (e.g. ``config.model`` without ``family``).
+
+    Returns:
+      The config instance (its ``__post_init__`` checks the values).
+
+    Raises:
+      ValueError: a key that is not a field of ``cls``, naming the allowed ones.
+    """
     names = {f.name for f in dataclasses.fields(cls)}
     fields = dict(mapping)
     unknown = sorted(set(fields) - names)
@@ -149,6 +160,16 @@ class DecoderConfig:
         """Builds a config from a mapping (e.g. ``config.model`` of an ml_collections config).
 
         Unknown keys raise ``ValueError`` so that a typo in a config file is not ignored.
+
+        Args:
+          mapping: field values by name (``family`` is not a field: drop it first, or use
+            :meth:`ModelSpec.config`).
+
+        Returns:
+          An instance of this config class.
+
+        Raises:
+          ValueError: a key that is not a field, or a field value the config rejects.
         """
         return config_from_mapping(cls, mapping)
 
@@ -170,7 +191,17 @@ class DecoderConfig:
 
 def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
     """``x`` with its sharding constrained per ``cfg.activation_axes`` (one logical name or
-    ``None`` per dimension); the identity when the config sets none."""
+    ``None`` per dimension); the identity when the config sets none.
+
+    Args:
+      x: an activation.
+      cfg: the model config; its ``activation_axes`` maps logical names to mesh axes.
+      *names: one logical name (``"batch"``, ``"heads"``, ``"kv_heads"``, ``"mlp"``,
+        ``"vocab"``) or ``None`` per dimension of ``x``; a name without a rule is unsplit.
+
+    Returns:
+      ``x`` under ``jax.lax.with_sharding_constraint``, or ``x`` itself.
+    """
     if not cfg.activation_axes:
         return x
     rules = dict(cfg.activation_axes)
@@ -182,7 +213,19 @@ def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str]
           use_bias: bool = False, init_std: float | None = None) -> nnx.Linear:
     """An ``nnx.Linear`` ``(d_in × d_out)`` in the config's dtypes, normal init of std
     ``init_std`` (default ``cfg.init_std``), kernel logical axes ``axes`` and, with
-    ``use_bias``, a zero bias whose logical axis is the output's."""
+    ``use_bias``, a zero bias whose logical axis is the output's.
+
+    Args:
+      cfg: the model config (``compute_dtype``, ``storage_dtype``, ``init_std``).
+      d_in, d_out: the input and output widths.
+      rngs: the initialisation RNG streams.
+      axes: the kernel's logical axis names ``(input, output)``, e.g. ``("embed", "mlp")``.
+      use_bias: add a zero-initialised bias.
+      init_std: std of the kernel's normal init; ``None``: ``cfg.init_std``.
+
+    Returns:
+      The ``nnx.Linear`` layer, kernel ``(d_in, d_out)``.
+    """
     extra = {"bias_metadata": {LOGICAL_AXES: (axes[1],)}} if use_bias else {}
     return nnx.Linear(
         d_in,
@@ -200,7 +243,16 @@ def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str]
 def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: Any) -> jax.Array:
     """Rows ``table[tokens]`` in the compute dtype: a gather, or with ``embed_lookup='one_hot'``
     a one-hot matmul at full precision (the same values; partitions where the gather's
-    gradient does not, see :class:`~gift_jax.models.llama.LlamaConfig`)."""
+    gradient does not, see :class:`~gift_jax.models.llama.LlamaConfig`).
+
+    Args:
+      table: the embedding table, ``(vocab_size, d_model)``.
+      tokens: int token ids, ``(batch, seq)``.
+      cfg: the model config (``embed_lookup``, ``vocab_size``, ``compute_dtype``).
+
+    Returns:
+      The embeddings, ``(batch, seq, d_model)`` in the compute dtype.
+    """
     compute = cfg.compute_dtype
     if cfg.embed_lookup == "one_hot":
         return jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
@@ -216,6 +268,13 @@ def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.
 
     Shapes: q ``(B, T, H, D)``; k, v ``(B, T, K, D)`` with ``K | H``; query head ``h`` reads
     key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in q's dtype.
+
+    Args:
+      q: queries, ``(B, T, H, D)``.
+      k, v: keys and values, ``(B, T, K, D)``.
+
+    Returns:
+      The attention output, ``(B, T, H, D)`` in ``v``'s dtype (q's in the model).
     """
     b, t, h, d = q.shape
     groups = h // k.shape[2]
@@ -264,7 +323,15 @@ def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -
     """Flash attention where it lowers, chosen by the lowering target
     (:func:`gift_jax.utils.platform.target_device`, not this host): the Pallas TPU kernel on
     TPU, ``jax.nn.dot_product_attention`` with cuDNN on GPU (bf16/fp16; XLA for fp32), the
-    reference elsewhere. Shapes as :func:`causal_attention_reference`."""
+    reference elsewhere. Shapes as :func:`causal_attention_reference`.
+
+    Args:
+      q, k, v: queries ``(B, T, H, D)``, keys and values ``(B, T, K, D)``.
+      cfg: the model config (its ``activation_axes`` place the TPU kernel's ``shard_map``).
+
+    Returns:
+      The attention output, ``(B, T, H, D)``.
+    """
     platform, _ = target_device()
     if platform == "tpu":
         return _tpu_flash_attention(q, k, v, cfg)
@@ -278,7 +345,15 @@ def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> jax.Array:
     """Causal attention by ``cfg.attention_impl``: ``'reference'``
     (:func:`causal_attention_reference`), ``'jax'`` (``jax.nn.dot_product_attention``) or
-    ``'flash'`` (:func:`causal_attention_flash`). Shapes as the reference's."""
+    ``'flash'`` (:func:`causal_attention_flash`). Shapes as the reference's.
+
+    Args:
+      q, k, v: queries ``(B, T, H, D)``, keys and values ``(B, T, K, D)``.
+      cfg: the model config (``attention_impl``; ``activation_axes`` for ``'flash'``).
+
+    Returns:
+      The attention output, ``(B, T, H, D)``.
+    """
     if cfg.attention_impl == "jax":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     if cfg.attention_impl == "flash":
@@ -304,7 +379,16 @@ def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], cfg: Any,
                    rngs: nnx.Rngs) -> nnx.Module | nnx.List:
     """``cfg.num_layers`` blocks built by ``make_block(rngs)``: an ``nnx.List`` of blocks, or
     with ``cfg.scan_layers`` one block whose parameters are stacked on axis 0 (``nnx.vmap``
-    over split rngs, maxtext's layout)."""
+    over split rngs, maxtext's layout).
+
+    Args:
+      make_block: builds one block from the RNG streams it is given.
+      cfg: the model config (``num_layers``, ``scan_layers``).
+      rngs: the initialisation RNG streams (split ``num_layers`` ways under ``scan_layers``).
+
+    Returns:
+      The ``nnx.List`` of blocks, or the one stacked block.
+    """
     if not cfg.scan_layers:
         return nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
 
@@ -319,7 +403,18 @@ def stacked_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], cfg: Any,
 def apply_blocks(layers: nnx.Module | nnx.List, x: jax.Array, cfg: Any,
                  *args: Any) -> jax.Array:
     """``x`` through the blocks of :func:`stacked_blocks` in order, each called as
-    ``block(x, *args)``: a Python loop, or ``nnx.scan`` over the stacked layer axis."""
+    ``block(x, *args)``: a Python loop, or ``nnx.scan`` over the stacked layer axis.
+
+    Args:
+      layers: what :func:`stacked_blocks` built with the same ``cfg``.
+      x: the residual stream, ``(batch, seq, d_model)``.
+      cfg: the model config (``scan_layers``; ``remat`` and ``remat_policy``: each block
+        rematerialised).
+      *args: passed to every block unchanged (e.g. Llama's rotary angles).
+
+    Returns:
+      The residual stream after the last block, ``x``'s shape.
+    """
     forward = _forward_fn(cfg)
     if not cfg.scan_layers:
         for block in layers:
@@ -392,7 +487,18 @@ class ModelSpec:
 
     def config(self, mapping: Mapping[str, Any]) -> Any:
         """The family's config from a mapping (``config.model``); unknown keys raise
-        ``ValueError`` naming the allowed ones."""
+        ``ValueError`` naming the allowed ones.
+
+        Args:
+          mapping: the ``model`` group; a ``family`` key is dropped (not checked here, see
+            :func:`gift_jax.models.model_config_of`).
+
+        Returns:
+          An instance of :attr:`config_type`.
+
+        Raises:
+          ValueError: a key that is not a field of the config, or a value it rejects.
+        """
         return config_from_mapping(self.config_type,
                                    {k: v for k, v in mapping.items() if k != "family"})
 
@@ -404,11 +510,26 @@ class ModelSpec:
         return {"family": self.family, **fields}
 
     def build(self, config: Any, *, rngs: nnx.Rngs) -> nnx.Module:
-        """The model with parameters initialised from ``rngs``."""
+        """The model with parameters initialised from ``rngs``.
+
+        Args:
+          config: an instance of :attr:`config_type`.
+          rngs: the initialisation RNG streams.
+
+        Returns:
+          ``module_type(config, rngs=rngs)``.
+        """
         return self.module_type(config, rngs=rngs)
 
     def abstract(self, config: Any) -> nnx.Module:
-        """The model with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``: no arrays)."""
+        """The model with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``: no arrays).
+
+        Args:
+          config: an instance of :attr:`config_type`.
+
+        Returns:
+          The abstract module.
+        """
         return nnx.eval_shape(lambda: self.build(config, rngs=nnx.Rngs(0)))
 
     def param_shapes(self, config: Any, *, flat: bool = False) -> dict:
@@ -432,7 +553,14 @@ class ModelSpec:
     def logical_axes(self, config: Any) -> dict[str, tuple[str, ...]]:
         """``{path: logical axis names}`` of every parameter (paths as :meth:`param_shapes`
         with ``flat=True``), read from the :data:`LOGICAL_AXES` metadata; a stacked layer
-        axis (``scan_layers``) is named ``layers``."""
+        axis (``scan_layers``) is named ``layers``.
+
+        Args:
+          config: an instance of :attr:`config_type`.
+
+        Returns:
+          ``{path: names}``, one name per dimension of the parameter.
+        """
         out = {}
         for path, variable in nnx.iter_graph(self.abstract(config)):
             if isinstance(variable, nnx.Param):
@@ -444,5 +572,12 @@ class ModelSpec:
     @staticmethod
     def loss(model: nnx.Module, tokens: jax.Array, mask: jax.Array | None = None,
              one_hot: bool = False) -> jax.Array:
-        """The training loss, :func:`next_token_loss`."""
+        """The training loss, :func:`next_token_loss`.
+
+        Args:
+          model, tokens, mask, one_hot: as :func:`next_token_loss`.
+
+        Returns:
+          The scalar fp32 loss.
+        """
         return next_token_loss(model, tokens, mask, one_hot)

@@ -145,6 +145,14 @@ class Embeddings(nnx.Module):
         return x + self.positions[: tokens.shape[1]].astype(x.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
+        """The tied head: logits ``x Eᵀ``.
+
+        Args:
+          x: the final normalised residual stream, ``(batch, seq, d_model)``.
+
+        Returns:
+          Logits ``(batch, seq, vocab_size)`` in ``x``'s dtype.
+        """
         return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(x.dtype))
 
 
@@ -236,6 +244,12 @@ def count_params(config: GPTConfig) -> int:
     Per block: two LayerNorms ``4d``, attention ``4·(d² + d)``, MLP ``2·d·d_ff + d_ff + d``;
     plus token and position tables ``(V + T)·d``, final LayerNorm ``2d`` and, untied, head
     ``d·V``.
+
+    Args:
+      config: the model's config.
+
+    Returns:
+      The number of parameters of ``GPT(config)``.
     """
     d, f = config.d_model, config.d_ff
     block = 4 * d + 4 * (d * d + d) + 2 * d * f + f + d

@@ -341,6 +341,12 @@ class Llama(nnx.Module):
           tokens: int array ``(batch, seq)`` with ``seq <= max_seq_len``.
           positions: optional int positions, ``(seq,)`` or ``(batch, seq)``; defaults to
             ``arange(seq)``.
+
+        Returns:
+          Logits ``(batch, seq, vocab_size)`` in the compute dtype.
+
+        Raises:
+          ValueError: ``tokens`` not 2-D, or longer than ``max_seq_len``.
         """
         cfg = self.config
         if tokens.ndim != 2:
@@ -371,6 +377,12 @@ def count_params(config: LlamaConfig) -> int:
 
     Per block: two RMSNorm scales ``2d``, attention ``d·Hh + 2·d·Kh + Hh·d`` (h = head_dim),
     SwiGLU ``3·d·d_ff``; plus embedding ``V·d``, final norm ``d`` and, untied, head ``d·V``.
+
+    Args:
+      config: the model's config.
+
+    Returns:
+      The number of parameters of ``Llama(config)``.
     """
     d, h = config.d_model, config.head_dim
     attn = d * config.num_heads * h * 2 + d * config.kv_heads * h * 2
@@ -382,12 +394,27 @@ def count_params(config: LlamaConfig) -> int:
 def param_shapes(config: LlamaConfig, *, flat: bool = False) -> dict:
     """The parameters as ``jax.ShapeDtypeStruct`` leaves, without allocating any array
     (:meth:`ModelSpec.param_shapes`): a nested dict ``{'layers': {3: {'mlp': {'down_proj':
-    {'kernel': …}}}}, …}``, or with ``flat`` one keyed by ``'layers/3/mlp/down_proj/kernel'``."""
+    {'kernel': …}}}}, …}``, or with ``flat`` one keyed by ``'layers/3/mlp/down_proj/kernel'``.
+
+    Args:
+      config: the model's config.
+      flat: return the flat dict keyed by ``'/'``-joined paths instead of the nested one.
+
+    Returns:
+      The dict of ``jax.ShapeDtypeStruct`` leaves.
+    """
     return SPEC.param_shapes(config, flat=flat)
 
 
 def logical_axes(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
-    """``{path: logical axis names}`` of every parameter (:meth:`ModelSpec.logical_axes`)."""
+    """``{path: logical axis names}`` of every parameter (:meth:`ModelSpec.logical_axes`).
+
+    Args:
+      config: the model's config.
+
+    Returns:
+      ``{'/'-joined path: names}``, one name per dimension (``layers`` for a stacked axis).
+    """
     return SPEC.logical_axes(config)
 
 

@@ -153,6 +153,15 @@ class Checkpointer:
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, keep: int = 3,
                  mesh_shape: dict[str, int] | None = None):
+        """Args:
+          workdir: the run's folder, local or an object-store URL; checkpoints go to
+            ``<workdir>/checkpoints`` (created).
+          config: the run's config, stored with every checkpoint and compared on restore.
+          keep: how many of the newest checkpoints are kept (orbax's ``max_to_keep``).
+          mesh_shape: ``{mesh axis: size}`` of the run's mesh, stored with every checkpoint (a
+            restore onto another shape restarts the mesh-dependent error-feedback buffers
+            from zero); ``None``: not recorded, and a restore assumes the same mesh.
+        """
         self.directory = str(epath.Path(local_or_url(workdir)) / "checkpoints")
         self.config = config
         self.mesh_shape = None if mesh_shape is None else {k: int(v) for k, v in
@@ -217,7 +226,22 @@ class Checkpointer:
     def save(self, step: int, state: Any, *, data_position: int, skipped: int = 0,
              force: bool = True, data_state: dict | None = None) -> None:
         """Writes ``state`` at ``step`` (blocking until it is on disk), with the data
-        pipeline's position (``data_position``, and ``data_state`` where it has one)."""
+        pipeline's position (``data_position``, and ``data_state`` where it has one).
+
+        A step that is already checkpointed is left as it is. Process 0 then writes the step's
+        file listing (:data:`FILE_LISTING`).
+
+        Args:
+          step: optimizer steps taken (the checkpoint's step).
+          state: the pytree to save (the trainer's ``{"params": ..., "opt_state": ...}``),
+            stored flat as ``path → array``; zero-size leaves are recorded in the metadata only.
+          data_position: index of the next batch of the data pipeline.
+          skipped: steps skipped so far (non-finite updates), kept in the metadata.
+          force: passed to orbax's ``CheckpointManager.save`` (save regardless of its
+            save-interval policy).
+          data_state: the stream pipeline's position (:mod:`gift_jax.data.stream`), or ``None``
+            (the grid pipeline: ``data_position`` alone).
+        """
         if step in self.manager.all_steps():
             return
         names, leaves, _ = _flat_paths(state)
@@ -284,8 +308,16 @@ class Checkpointer:
         """The metadata of ``step`` (default: the newest whose metadata reads; damaged ones
         are moved aside), after checking its config.
 
+        Args:
+          step: the checkpoint's step, or ``None`` for the newest whose metadata reads.
+
+        Returns:
+          The checkpoint's metadata: ``step``, ``data_position``, ``config`` (the
+          :func:`~gift_jax.training.config.to_json` text), ``paths`` and ``shapes`` (always
+          there), and ``skipped``, ``mesh`` and ``data_state`` (written by :meth:`save`).
+
         Raises:
-          FileNotFoundError: no checkpoint.
+          FileNotFoundError: no checkpoint (with ``step``: a missing or truncated file of it).
           NoIntactCheckpointError: no checkpoint whose metadata reads.
           CheckpointMismatchError: written with a different config.
         """
@@ -305,6 +337,16 @@ class Checkpointer:
     def restore(self, template: Any, step: int | None = None) -> Restored:
         """Restores ``step`` into the structure and shardings of ``template``; by default the
         newest checkpoint that restores, moving aside (one warning each) the damaged ones.
+
+        Args:
+          template: a state of this run's structure whose arrays carry the target shardings
+            (e.g. a freshly initialised ``{"params": ..., "opt_state": ...}``); its zero-size
+            leaves, and the error-feedback buffers a mesh change drops, are kept as they are.
+          step: the checkpoint's step, or ``None`` for the newest that restores.
+
+        Returns:
+          The :class:`Restored` step, data position, state (``template``'s structure) and
+          stream-pipeline position (``None`` where the checkpoint has none).
 
         Raises:
           FileNotFoundError: no checkpoint.

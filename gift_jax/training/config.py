@@ -126,6 +126,14 @@ class ConfigError(ValueError):
 def translate_legacy_mode(mode: Any, codec: Any) -> tuple[Any, str]:
     """``(comm.codec, comm.method)`` of the former ``comm.mode=mode`` with ``comm.codec=codec``.
 
+    Args:
+      mode: the former ``comm.mode`` (a key of :data:`LEGACY_COMM_MODES`).
+      codec: the config's ``comm.codec`` (``None`` where it sets none), kept by the modes
+        without a codec of their own (``fp8``, ``gift_fp8``, ``plumage``).
+
+    Returns:
+      ``(comm.codec, comm.method)``.
+
     Raises:
       ConfigError: ``mode`` is not one of :data:`LEGACY_COMM_MODES`.
     """
@@ -142,8 +150,17 @@ def resolve_comm_mode(mode: str, codec: str) -> tuple[str, str]:
     whose ``comm.codec`` is ``codec``: a mode without a codec of its own keeps ``codec`` when
     it is a low-precision one, else takes :data:`DEFAULT_LOW_PRECISION_CODEC`.
 
+    Args:
+      mode: a key of :data:`COMM_MODES` (``fp32``, ``bf16``, ``fp8``, ``gift_fp8``,
+        ``plumage``).
+      codec: the config's ``comm.codec``, one of :data:`CODECS`.
+
+    Returns:
+      ``(comm.codec, comm.method)``.
+
     Raises:
-      ValueError: ``mode`` is not one of :data:`COMM_MODES`.
+      ValueError: ``mode`` is not one of :data:`COMM_MODES` (or, for a mode without a codec
+        of its own, ``codec`` is not a codec name).
     """
     if mode not in COMM_MODES:
         raise ValueError(f"communication mode {mode!r} is not one of {', '.join(COMM_MODES)}")
@@ -170,8 +187,19 @@ def load_config(name_or_path: str | os.PathLike,
     ``"tiny"`` for ``<config_dir>/tiny.py``. The one config loader of the package; it reads only
     what the caller names (scripts pass the repository's ``configs/``).
 
-    Raises :class:`ConfigError` naming the file when it is missing or defines no
-    ``get_config()``.
+    Args:
+      name_or_path: a config file's path or, with ``config_dir``, a bare name (no suffix, no
+        folder).
+      config_dir: the folder bare names are looked up in, or ``None`` (``name_or_path`` is a
+        path).
+
+    Returns:
+      What the file's ``get_config()`` returns (not yet completed: see
+      :func:`complete_config`).
+
+    Raises:
+      ConfigError: naming the file when it is missing (listing the names in ``config_dir``)
+        or defines no ``get_config()``.
     """
     path = pathlib.Path(name_or_path)
     if config_dir is not None and not path.suffix and len(path.parts) == 1:
@@ -196,6 +224,10 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
 
     Returns:
       The completed copy.
+
+    Raises:
+      ConfigError: ``comm.mode`` set together with ``comm.method``, or a ``comm.mode`` that
+        is not one of :data:`LEGACY_COMM_MODES`.
     """
     config = copy.deepcopy(config)
     with config.unlocked():
@@ -276,7 +308,16 @@ def set_fields(config: ml_collections.ConfigDict,
                fields: Mapping[str, Any]) -> ml_collections.ConfigDict:
     """Sets typed values ``{"group.field": value}`` on ``config`` in place (types are not
     checked: a tuple may replace a tuple of another length, an int a float) and returns it;
-    :func:`apply_overrides` is the command-line form, parsing strings."""
+    :func:`apply_overrides` is the command-line form, parsing strings.
+
+    Args:
+      config: the config to change, in place; the groups on each name's path must exist.
+      fields: ``{"group.field": value}``, e.g. ``{"comm.method": "gift"}``; a field the group
+        lacks is added.
+
+    Returns:
+      ``config`` itself.
+    """
     with config.unlocked():
         for name, value in fields.items():
             *groups, field = name.split(".")
@@ -587,7 +628,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
 
 def gift_runs(config: ml_collections.ConfigDict) -> bool:
     """Whether the run whitens ``gift.layers`` (``comm.method='gift'``, or PLUMAGE with
-    ``plumage.gift``)."""
+    ``plumage.gift``).
+
+    Args:
+      config: a completed config.
+
+    Returns:
+      ``True`` when a GIFT stage runs.
+    """
     method = config.comm.method
     return method == "gift" or (method == "plumage" and config.plumage.get("gift", False) is True)
 
@@ -598,6 +646,10 @@ def validate_layer_patterns(config: ml_collections.ConfigDict,
     parameter paths are ``param_paths``, e.g. ``layers/0/mlp/down_proj/kernel``) when GIFT
     runs. The trainer calls it before anything is written to disk, so a typo in a pattern
     ends the run with one line instead of an error inside the optimizer's initialisation.
+
+    Args:
+      config: a completed config (nothing is checked unless :func:`gift_runs`).
+      param_paths: the model's '/'-joined parameter paths.
 
     Raises:
       ConfigError: naming the patterns that match nothing and showing what paths look like.
@@ -617,7 +669,16 @@ def validate_layer_patterns(config: ml_collections.ConfigDict,
 def nothing_to_communicate(config: ml_collections.ConfigDict, num_devices: int) -> str | None:
     """The warning for a run that asks for low-precision or method-shaped communication on a
     data-parallel size of 1, where no all-reduce happens (wire bytes 0, and the codec and
-    method change nothing a multi-device run would see); ``None`` otherwise."""
+    method change nothing a multi-device run would see); ``None`` otherwise.
+
+    Args:
+      config: a completed config (``comm.codec`` and ``comm.method`` are read).
+      num_devices: the run's number of devices, taken as its data-parallel size.
+
+    Returns:
+      The one-line warning, or ``None`` when ``num_devices > 1`` or the run asks for fp32
+      and no method.
+    """
     codec, method = config.comm.codec, config.comm.method
     if num_devices > 1 or (codec == "fp32" and method == "none"):
         return None
@@ -643,7 +704,15 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:
-    """The config as a JSON object string (tuples become lists)."""
+    """The config as a JSON object string (tuples become lists).
+
+    Args:
+      config: the config.
+
+    Returns:
+      ``{"group.field": value}`` of every setting (nested groups flattened with ``.``), keys
+      sorted; values JSON cannot hold are written as their ``str``.
+    """
     return json.dumps(_flatten(config.to_dict()), sort_keys=True, default=str)
 
 
@@ -661,7 +730,14 @@ def _translate_flat(flat: dict[str, Any]) -> dict[str, Any]:
 
 def schedule_length(config: ml_collections.ConfigDict) -> int:
     """Steps the learning-rate schedule decays over: ``optimizer.schedule_steps``, or
-    ``train.num_steps`` when it is 0."""
+    ``train.num_steps`` when it is 0.
+
+    Args:
+      config: a completed config.
+
+    Returns:
+      The schedule's length in steps.
+    """
     return int(config.optimizer.get("schedule_steps", 0) or config.train.num_steps)
 
 
@@ -687,6 +763,18 @@ def extend_schedule(stored_json: str, config: ml_collections.ConfigDict) -> Exte
       learning rate jumps at the resumed step (the line says from what to what).
 
     An ``optimizer.schedule_steps`` set explicitly is used as given.
+
+    Args:
+      stored_json: the checkpoint's config (the :func:`to_json` text of its metadata); a
+        former ``comm.mode`` is translated.
+      config: the resuming run's completed config (not changed).
+
+    Returns:
+      An :class:`Extension`: a copy of ``config`` (``optimizer.schedule_steps`` set to the
+      checkpoint's schedule length under ``keep`` or an unchanged ``train.num_steps``, to 0
+      under ``stretch``; left as it is when set explicitly or when neither length changed),
+      the line to log (``None`` when ``train.num_steps`` did not change) and the schedule
+      length the checkpoint was written with.
     """
     stored = _translate_flat(json.loads(stored_json))
     old_steps = int(stored["train.num_steps"])
@@ -717,7 +805,18 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
     A field the checkpoint lacks whose current value is its :data:`TRAINER_DEFAULTS` value is
     not a difference: the checkpoint predates the setting and ran with that behaviour. A
     checkpoint's former ``comm.mode`` is compared as its ``comm.codec`` + ``comm.method``
-    (:data:`LEGACY_COMM_MODES`), so runs written before the split resume bit-exactly."""
+    (:data:`LEGACY_COMM_MODES`), so runs written before the split resume bit-exactly.
+
+    Args:
+      stored_json: the checkpoint's config (the :func:`to_json` text of its metadata).
+      config: the resuming run's config.
+
+    Returns:
+      One ``"name: <stored> (checkpoint) != <current> (now)"`` line per differing field
+      (``<absent>`` where a side lacks it), sorted by name; :data:`RUN_CONTROL_FIELDS`,
+      :data:`EXTENSION_FIELDS`, :data:`RESHARDABLE_FIELDS` and ``mesh.rules.*`` are not
+      compared. Empty: the checkpoint belongs to this config.
+    """
     stored = _translate_flat(json.loads(stored_json))
     current = json.loads(to_json(config))
     defaults = json.loads(json.dumps(_flatten(TRAINER_DEFAULTS)))

@@ -396,7 +396,12 @@ class Trainer:
         return 2 * (n - 1) / n * self.local_param_bytes
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
-        """Appends a record to the history and writes it (metrics.jsonl, TensorBoard)."""
+        """Appends a record to the history and writes it (metrics.jsonl, TensorBoard).
+
+        Args:
+          step: the step the record belongs to.
+          metrics: ``{name: value}``; array scalars are converted with ``.item()``.
+        """
         metrics = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
         self.history.append({"step": step, **metrics})
         self.writer.write(step, metrics)
@@ -490,6 +495,10 @@ class Trainer:
         Per step: the plan's refresh variant where due; a record every ``log_every`` steps and
         at the end of the call; evaluation, wire/fidelity diagnostics and checkpoints at their
         cadences. Metrics are fetched from the device only at log steps.
+
+        Args:
+          steps: the number of optimizer steps to run, or ``None`` (up to
+            ``train.num_steps``).
 
         Raises:
           KeyboardInterrupt: on Ctrl-C, after logging the partial window and saving a

@@ -105,8 +105,24 @@ def initialize_distributed(
 def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1,
                intra_size: int = 1) -> dict[str, int]:
     """``{'data': …, 'fsdp': …, 'tensor': …}`` for ``num_devices`` devices; one size may be
-    -1 (the rest). Raises ``ValueError`` naming the ``mesh.*`` setting when the sizes do not
-    multiply to the number of devices."""
+    -1 (the rest).
+
+    Args:
+      num_devices: the number of devices of the mesh.
+      data, fsdp, tensor: ``mesh.data``, ``mesh.fsdp``, ``mesh.tensor``: positive sizes, at
+        most one of them -1.
+      intra_size: ``mesh.intra_size``, replicas per group of a hierarchical reduction; must
+        divide the data size.
+
+    Returns:
+      The three sizes by axis name with the -1 resolved (the data size counts every replica;
+      ``intra`` splits it and is not an entry).
+
+    Raises:
+      ValueError: naming the ``mesh.*`` setting when the sizes do not multiply to the number
+        of devices (with a -1: do not divide it), when a size is neither a positive int nor
+        -1, when more than one is -1, or when ``intra_size`` does not divide the data size.
+    """
     sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, TENSOR_AXIS: tensor}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
@@ -153,7 +169,15 @@ def _granules(devices) -> list:
 
 def describe_topology(devices) -> str:
     """``'TPU v5 4x4x4 (64 chips)'``, ``'2 slices of TPU v5 lite 4x4x1 (32 chips)'``, or the
-    device count and kind where devices have no physical coordinates."""
+    device count and kind where devices have no physical coordinates.
+
+    Args:
+      devices: the devices (e.g. ``jax.devices()``); the grid is that of the first slice (GPU:
+        process).
+
+    Returns:
+      The one-line description.
+    """
     devices = list(devices)
     granules = _granules(devices)
     first = granules[0]
@@ -187,7 +211,16 @@ def _grid(shape: tuple[int, ...], devices, granules: list) -> np.ndarray:
 
 def layouts(devices, ndim: int = 3) -> list[tuple[int, ...]]:
     """Every ``ndim``-axis shape (data outermost) that :func:`device_grid` can lay out on
-    ``devices``."""
+    ``devices``.
+
+    Args:
+      devices: the devices.
+      ndim: the number of mesh axes (3: data, fsdp, tensor; 4 with intra).
+
+    Returns:
+      The shapes whose sizes multiply to the number of devices and that lay out, in
+      lexicographic order.
+    """
     devices = list(devices)
     granules = _granules(devices)
     n = len(devices)
@@ -218,8 +251,16 @@ def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
       A GPU ``data`` axis smaller than the process count lets ``fsdp`` span nodes (device
       order).
 
-    Raises :class:`MeshLayoutError` (one line: the topology and the shapes that fit) when the
-    shape cannot be laid out.
+    Args:
+      shape: the mesh shape, ``data`` first (1 to 4 axes, named as in :func:`make_mesh`).
+      devices: the devices, ``prod(shape)`` of them.
+
+    Returns:
+      A numpy object array of ``shape`` holding the devices.
+
+    Raises:
+      MeshLayoutError: the shape cannot be laid out (one line: the topology and the shapes
+        that fit).
     """
     devices = list(devices)
     shape = tuple(int(s) for s in shape)
@@ -271,7 +312,19 @@ def make_mesh(intra_size: int = 1, devices=None, *, fsdp: int = 1, tensor: int =
 
 def mesh_from_config(mesh_config, devices=None) -> Mesh:
     """:func:`make_mesh` of a config's ``mesh`` section (``data``, ``fsdp``, ``tensor``,
-    ``intra_size``)."""
+    ``intra_size``).
+
+    Args:
+      mesh_config: the config's ``mesh`` group (one of ``data``/``fsdp``/``tensor`` may be -1).
+      devices: the devices (default: all of every process).
+
+    Returns:
+      The mesh.
+
+    Raises:
+      ValueError: sizes that do not fit the number of devices (:func:`mesh_shape`).
+      MeshLayoutError: a shape that cannot be laid out on the chips (:func:`device_grid`).
+    """
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(len(devices), mesh_config.data, mesh_config.fsdp, mesh_config.tensor,
                        mesh_config.intra_size)
@@ -280,7 +333,14 @@ def mesh_from_config(mesh_config, devices=None) -> Mesh:
 
 
 def model_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The model axes of ``mesh`` with more than one device (GSPMD splits the model there)."""
+    """The model axes of ``mesh`` with more than one device (GSPMD splits the model there).
+
+    Args:
+      mesh: the run's mesh.
+
+    Returns:
+      Those of ``('fsdp', 'tensor')``, in that order; ``()`` on a data-parallel mesh.
+    """
     return tuple(a for a in MODEL_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
@@ -298,15 +358,36 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes a batch's rows are split over: every data axis, then ``fsdp`` when it splits
-    the model (tensor-parallel devices share their rows)."""
+    the model (tensor-parallel devices share their rows).
+
+    Args:
+      mesh: the run's mesh.
+
+    Returns:
+      The axis names, outermost first.
+    """
     return data_axes(mesh) + tuple(a for a in model_axes(mesh) if a == FSDP_AXIS)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of a ``[global_batch, seq]`` array: rows split over :func:`batch_axes`."""
+    """Sharding of a ``[global_batch, seq]`` array: rows split over :func:`batch_axes`.
+
+    Args:
+      mesh: the run's mesh.
+
+    Returns:
+      ``NamedSharding(mesh, P(batch_axes(mesh)))``.
+    """
     return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    """Fully replicated sharding on ``mesh``."""
+    """Fully replicated sharding on ``mesh``.
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      ``NamedSharding(mesh, P())``.
+    """
     return NamedSharding(mesh, P())

@@ -80,8 +80,15 @@ class CommPlan:
         return (False,) if self.refresh_every is None else (False, True)
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
-        """Whether ``step`` (0-based) runs the refresh variant (``opt_state``: the whole
-        optimizer state before the step)."""
+        """Whether ``step`` (0-based) runs the refresh variant; never for this plan.
+
+        Args:
+          step: the 0-based index of the step about to run.
+          opt_state: the whole optimizer state before the step.
+
+        Returns:
+          ``False``.
+        """
         del step, opt_state
         return False
 
@@ -93,18 +100,43 @@ class CommPlan:
 
     def capture_layers(self, refresh: bool) -> tuple[str, ...]:
         """Layers whose input statistics the step variant ``refresh`` captures: the GIFT
-        layers on refresh steps, else none."""
+        layers on refresh steps, else none.
+
+        Args:
+          refresh: whether the step is the refresh variant.
+
+        Returns:
+          :attr:`gift_layers` on a refresh step, else ``()``.
+        """
         return self.gift_layers if refresh else ()
 
     def coverage_bases(self, refresh: bool, opt_state: Any) -> dict[str, Any] | None:
         """The factor bases whose input coverage the step variant ``refresh`` measures (GIFT's
-        adaptive refresh, ordinary steps), read from the traced ``opt_state``; else ``None``."""
+        adaptive refresh, ordinary steps), read from the traced ``opt_state``; else ``None``.
+
+        Args:
+          refresh: whether the step is the refresh variant.
+          opt_state: the whole optimizer state inside the step (traced).
+
+        Returns:
+          ``None`` (no coverage is measured without GIFT's adaptive refresh).
+        """
         del refresh, opt_state
         return None
 
     def update_kwargs(self, refresh: bool, stats: Any) -> dict[str, Any]:
         """Extra keyword arguments of ``tx.update`` for the variant ``refresh`` given the
-        captured statistics (``{}``; ``(A, B)`` when two-sided)."""
+        captured statistics.
+
+        Args:
+          refresh: whether the step is the refresh variant.
+          stats: what the step captured: ``{layer path: A}``, ``(A, B)`` when two-sided, or
+            ``{}`` when it captured nothing.
+
+        Returns:
+          ``{"gift_stats": A}`` (plus ``"gift_output_stats": B`` when two-sided) on a step
+          that captures layers (:meth:`capture_layers`), else ``{}``.
+        """
         kwargs: dict[str, Any] = {}
         if self.capture_layers(refresh):
             if self.gift_two_sided:
@@ -114,20 +146,46 @@ class CommPlan:
         return kwargs
 
     def state_metrics(self, opt_state: Any) -> dict[str, float]:
-        """Metrics read from the optimizer state for the diagnostics record (``{}``)."""
+        """Metrics read from the optimizer state for the diagnostics record.
+
+        Args:
+          opt_state: the whole optimizer state (on the host's side of the step).
+
+        Returns:
+          ``{}`` (no method state to report).
+        """
         del opt_state
         return {}
 
     def grad_norm(self, inner_state: Any, refresh: bool) -> jax.Array:
-        """The reduced-gradient norm this step recorded (``inner_state``: the chain's state
-        inside :func:`~gift_jax.training.optim.skip_nonfinite`)."""
+        """The reduced-gradient norm this step recorded.
+
+        Args:
+          inner_state: the chain's state inside
+            :func:`~gift_jax.training.optim.skip_nonfinite` (``SkipState.inner``).
+          refresh: whether the step is the refresh variant (no effect here).
+
+        Returns:
+          The () float32 norm of the :class:`~gift_jax.training.optim.GradNormState` in
+          ``inner_state``.
+        """
         del refresh
         return _grad_norm_state(inner_state).norm
 
     def roundtrip(self, stage: optax.GradientTransformation, grads: Any,
                   inner_state: Any) -> tuple[Any, dict | None]:
         """``(reduced grads, GIFT factors or None)``: the run's reduction of ``grads`` for the
-        fidelity diagnostic, from a fresh stage state."""
+        fidelity diagnostic, from a fresh stage state.
+
+        Args:
+          stage: the communication stage alone (:attr:`Optimizer.stage`).
+          grads: this device's gradients (inside ``shard_map``).
+          inner_state: the chain's state inside :func:`~gift_jax.training.optim.skip_nonfinite`
+            (not read here).
+
+        Returns:
+          ``(reduced grads, None)``.
+        """
         del inner_state
         approx, _ = stage.update(grads, stage.init(grads))
         return approx, None
@@ -169,7 +227,16 @@ class GiftPlan(CommPlan):
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
         """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when
-        the GIFT state's staleness signal says so (reads it from ``opt_state``)."""
+        the GIFT state's staleness signal says so (reads it from ``opt_state``).
+
+        Args:
+          step: the 0-based index of the step about to run (read by the fixed rule).
+          opt_state: the whole optimizer state before the step (the adaptive rule reads its
+            :class:`~gift_jax.whitening.stage.GiftState`, a device-to-host transfer).
+
+        Returns:
+          Whether the step refreshes GIFT's factors.
+        """
         if self.adaptive_refresh is None:
             return gift_refresh_due(step, self.refresh_every)
         return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
@@ -177,12 +244,34 @@ class GiftPlan(CommPlan):
 
     def coverage_bases(self, refresh, opt_state):
         """Adaptive refresh: on ordinary steps, the bases of the GIFT state's factors (the
-        step measures its layers' input coverage in them, :mod:`gift_jax.whitening.capture`)."""
+        step measures its layers' input coverage in them, :mod:`gift_jax.whitening.capture`).
+
+        Args:
+          refresh: whether the step is the refresh variant.
+          opt_state: the whole optimizer state inside the step (traced), holding the
+            :class:`~gift_jax.whitening.stage.GiftState`.
+
+        Returns:
+          ``{kernel path: (B, S)}`` of :func:`~gift_jax.whitening.stage.coverage_bases`, or
+          ``None`` on refresh steps, under the fixed rule, or when no factor has a basis yet.
+        """
         if refresh or self.adaptive_refresh is None:
             return None
         return coverage_bases(optax.tree.get(opt_state, "GiftState")) or None
 
     def update_kwargs(self, refresh, stats):
+        """:meth:`CommPlan.update_kwargs`, except on the ordinary steps of the adaptive rule,
+        which pass the input-coverage sums they measured as ``gift_coverage=``.
+
+        Args:
+          refresh: whether the step is the refresh variant.
+          stats: the captured statistics (refresh steps) or, on ordinary steps of the adaptive
+            rule, the coverage sums ``{layer path: lead + (2,)}`` (``{}``: none measured).
+
+        Returns:
+          ``{"gift_coverage": stats}`` (``{}`` without sums) on an ordinary step of the
+          adaptive rule, else :meth:`CommPlan.update_kwargs`'s arguments.
+        """
         if self.adaptive_refresh is not None and not refresh:
             return {"gift_coverage": stats} if stats else {}
         return super().update_kwargs(refresh, stats)
@@ -190,7 +279,15 @@ class GiftPlan(CommPlan):
     def state_metrics(self, opt_state):
         """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
         and ``gift/whitened/<layer path>`` (fraction of that leaf's matrices, e.g. the layers
-        of a scanned stack) sent through the whitened transport until the next refresh."""
+        of a scanned stack) sent through the whitened transport until the next refresh.
+
+        Args:
+          opt_state: the whole optimizer state, holding the
+            :class:`~gift_jax.whitening.stage.GiftState`.
+
+        Returns:
+          These metrics as floats; ``{}`` with ``gift.route_frame='off'``.
+        """
         state = optax.tree.get(opt_state, "GiftState")
         frac = whitened_fraction(state)
         if frac is None:
@@ -202,7 +299,18 @@ class GiftPlan(CommPlan):
 
     def roundtrip(self, stage, grads, inner_state):
         """The GIFT stage with its current factors and zeroed error-feedback buffers; returns
-        the factors of single-block layers for the whitened-frame error."""
+        the factors of single-block layers for the whitened-frame error.
+
+        Args:
+          stage: the GIFT stage (:attr:`Optimizer.stage`).
+          grads: this device's gradients (inside ``shard_map``).
+          inner_state: the chain's state inside :func:`~gift_jax.training.optim.skip_nonfinite`,
+            holding the :class:`~gift_jax.whitening.stage.GiftState`.
+
+        Returns:
+          ``(reduced grads, factors)``: ``{layer path: factor}`` of the layers with one block
+          (batch size 1), batch axis dropped, or ``None`` when there is none.
+        """
         gift_state = reset_error_feedback(optax.tree.get(inner_state, "GiftState"))
         approx, _ = stage.update(grads, gift_state)
         factors = {path: jax.tree.map(lambda x: x[0], f)
@@ -211,6 +319,15 @@ class GiftPlan(CommPlan):
         return approx, factors or None
 
     def build(self, recipe, axes, schedule):
+        """``(chain, stage)``: the GIFT stage (``recipe.gift.stage``, tracking coverage under
+        the adaptive rule) around the all-reduce, then the dense chain.
+
+        Args:
+          recipe, axes, schedule: as :meth:`CommPlan.build`.
+
+        Returns:
+          ``(chain, stage)``, ``stage`` the GIFT stage.
+        """
         stage = recipe.gift.stage(
             recipe.comm.allreduce(axes, self.shards), axes, recipe.comm, recipe.optimizer.eps,
             layers=self.gift_layers, two_sided=self.gift_two_sided,
@@ -229,20 +346,63 @@ class PlumagePlan(CommPlan):
     name = "plumage"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
+        """Whether PLUMAGE's state says a refresh is due (:func:`gift_jax.lowrank.refresh_due`:
+        before the first refresh, then every refresh interval).
+
+        Args:
+          step: the 0-based index of the step about to run (not read: the state counts).
+          opt_state: the whole optimizer state before the step, holding one
+            :class:`~gift_jax.lowrank.PlumageState` (a device-to-host transfer).
+
+        Returns:
+          Whether the step refreshes PLUMAGE's projection.
+        """
         del step
         return bool(plumage_refresh_due(opt_state))
 
     def update_kwargs(self, refresh, stats):
+        """``plumage_refresh=refresh``, and with ``plumage.gift`` the GIFT statistics a refresh
+        step captured (:meth:`CommPlan.update_kwargs`).
+
+        Args:
+          refresh: whether the step is the refresh variant.
+          stats: what the step captured (``{}`` when nothing).
+
+        Returns:
+          ``{"plumage_refresh": refresh, ...}``.
+        """
         return {"plumage_refresh": refresh, **super().update_kwargs(refresh, stats)}
 
     def grad_norm(self, inner_state, refresh):
         """PLUMAGE keeps two communication states (ordinary and refresh steps): the one used
-        (refresh steps fall back to the ordinary one when no separate refresh stage exists)."""
+        (refresh steps fall back to the ordinary one when no separate refresh stage exists).
+
+        Args:
+          inner_state: the chain's state inside :func:`~gift_jax.training.optim.skip_nonfinite`,
+            holding the :class:`~gift_jax.lowrank.PlumageState`.
+          refresh: whether the step was a refresh step.
+
+        Returns:
+          The () float32 norm.
+        """
         state = find_plumage_state(inner_state)
         found = _grad_norm_state(state.refresh_comm_state) if refresh else None
         return (_grad_norm_state(state.comm_state) if found is None else found).norm
 
     def build(self, recipe, axes, schedule):
+        """``(chain, stage)``: PLUMAGE as the optimizer, reducing through ``all-reduce → record
+        norm → clip`` (with ``plumage.gift``: GIFT around the all-reduce on ordinary steps, the
+        plain chain on refresh steps).
+
+        Args:
+          recipe, axes, schedule: as :meth:`CommPlan.build`.
+
+        Returns:
+          ``(chain, stage)``, ``stage`` the plain all-reduce.
+
+        Raises:
+          ConfigError: the plan carries an ``update_rule`` (PLUMAGE is the optimizer).
+        """
         if self.update_rule is not None:
             raise ConfigError("an update_rule replaces the dense optimizer; with "
                               "comm.method='plumage' PLUMAGE is the optimizer")

@@ -110,7 +110,14 @@ class MetricsWriter:
         self._tb = _tensorboard(str(root / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        """One record; keys with a ``/`` become TensorBoard groups (``eval/loss``)."""
+        """One record; keys with a ``/`` become TensorBoard groups (``eval/loss``).
+
+        Args:
+          step: the step the record belongs to.
+          metrics: ``{name: value}``; array scalars are converted with ``.item()``,
+            non-finite floats are written to the JSON line as strings, and only int and float
+            values (not bools) go to TensorBoard.
+        """
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
@@ -146,6 +153,11 @@ class Progress:
     """A tqdm bar over the run's steps showing loss and tokens/s (a no-op when disabled)."""
 
     def __init__(self, start: int, total: int, enabled: bool = True):
+        """Args:
+          start: the step the bar starts at (a resumed run's).
+          total: the run's last step (``train.num_steps``).
+          enabled: ``False``: no bar (processes other than 0, or progress not shown).
+        """
         self._bar = None
         if enabled:
             from tqdm.auto import tqdm
@@ -154,6 +166,13 @@ class Progress:
                              file=sys.stderr, desc="train")
 
     def update(self, n: int = 1, **postfix: Any) -> None:
+        """Advances the bar by ``n`` steps.
+
+        Args:
+          n: steps completed since the last update.
+          **postfix: ``{label: value}`` shown after the bar, replacing the previous ones
+            (none given: the previous ones stay).
+        """
         if self._bar is None:
             return
         if postfix:
@@ -161,6 +180,11 @@ class Progress:
         self._bar.update(n)
 
     def write(self, line: str) -> None:
+        """Prints ``line`` above the bar without breaking it (nothing when disabled).
+
+        Args:
+          line: the text.
+        """
         if self._bar is not None:
             self._bar.write(line)
 

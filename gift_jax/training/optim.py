@@ -139,13 +139,28 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 def stacked_kernels(path, leaf) -> int:
     """``stack_axes`` of a scanned model's gradients (and PLUMAGE's coordinates of them): the
     stacked kernels ``layers/… (layers, in, out)`` stack one matrix per layer, each quantized
-    on its own scales as in the unrolled model; other leaves are one tensor."""
+    on its own scales as in the unrolled model; other leaves are one tensor.
+
+    Args:
+      path: the leaf's key path (``jax.tree_util`` keys).
+      leaf: the array (anything with a shape).
+
+    Returns:
+      1 for a leaf under ``layers/`` with at least 3 dimensions (one leading stack axis), else 0.
+    """
     return int(leaf_path(path).startswith("layers/") and len(jnp.shape(leaf)) >= 3)
 
 
 def clip_stages(opt: Any) -> list[optax.GradientTransformation]:
-    """``[clip_by_global_norm(opt.grad_clip_norm)]``, or ``[]`` when it is 0 (``opt``: the
-    typed optimizer options, :class:`~gift_jax.training.recipe.OptimizerOptions`)."""
+    """``[clip_by_global_norm(opt.grad_clip_norm)]``, or ``[]`` when it is 0.
+
+    Args:
+      opt: the typed optimizer options, :class:`~gift_jax.training.recipe.OptimizerOptions`
+        (only ``grad_clip_norm`` is read).
+
+    Returns:
+      The clipping stage in a list, or ``[]``.
+    """
     c = opt.grad_clip_norm
     return [optax.clip_by_global_norm(c)] if c and c > 0 else []
 
@@ -153,13 +168,33 @@ def clip_stages(opt: Any) -> list[optax.GradientTransformation]:
 def dense_optimizer(opt: Any, schedule: optax.Schedule,
                     scan_layers: bool) -> optax.GradientTransformation:
     """The update rule of ``opt.name`` (its :mod:`~gift_jax.training.optimizers` entry, built
-    from the typed options ``opt`` and the schedule; ``scan_layers``: kernels are stacked)."""
+    from the typed options ``opt`` and the schedule).
+
+    Args:
+      opt: the typed optimizer options (:class:`~gift_jax.training.recipe.OptimizerOptions`).
+      schedule: the learning rate per step.
+      scan_layers: kernels are stacked ``(layers, in, out)`` (Muon then orthogonalises each
+        layer's matrix).
+
+    Returns:
+      The dense optimizer.
+
+    Raises:
+      ValueError: an unknown ``opt.name``.
+    """
     return get_optimizer(opt.name).build(opt, schedule, scan_layers)
 
 
 def lowrank_dimension_numbers(stacked_layers: bool):
     """PLUMAGE's ``weight_dimension_numbers``: the stacked kernels' axes when the model scans
-    its layers (leaves of 3 dimensions), else ``None`` (the 2-D default)."""
+    its layers (leaves of 3 dimensions), else ``None`` (the 2-D default).
+
+    Args:
+      stacked_layers: the model scans its blocks (kernels ``(layers, in, out)``).
+
+    Returns:
+      ``params → {leaf: MatrixDimensionNumbers(1, 2) for 3-D leaves, else None}``, or ``None``.
+    """
     if not stacked_layers:
         return None
     return lambda params: jax.tree.map(
@@ -171,7 +206,19 @@ def plumage_mask(layers: tuple[str, ...], rank: int, dimension_numbers=None):
     :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError`; the first time it sees the
     params it warns when the mask and rank project no leaf (every selected matrix has its
     smaller side ``<= plumage.rank``): the run would silently be dense Adam with full-size
-    communication. ``dimension_numbers``: PLUMAGE's ``weight_dimension_numbers``."""
+    communication.
+
+    Args:
+      layers: ``plumage.layers``, patterns of module or parameter paths.
+      rank: ``plumage.rank`` (read by the warning only).
+      dimension_numbers: PLUMAGE's ``weight_dimension_numbers`` (``None``: 2-D leaves), read
+        by the warning only.
+
+    Returns:
+      ``params → bool tree`` of the leaves the patterns select (raising
+      :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError` when called on params that a
+      pattern does not match).
+    """
     warned = []
 
     def mask(params):

@@ -47,7 +47,14 @@ Build = Callable[[Any, optax.Schedule, bool], optax.GradientTransformation]
 
 
 def decay_mask(params):
-    """Weight decay on matrices only."""
+    """Weight decay on matrices only.
+
+    Args:
+      params: the parameter tree (or the updates', same structure).
+
+    Returns:
+      A tree of bools like ``params``: ``True`` for the leaves with at least 2 dimensions.
+    """
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
@@ -124,6 +131,12 @@ OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 
 def get_optimizer(name: str) -> OptimizerEntry:
     """The registry entry of ``optimizer.name``.
+
+    Args:
+      name: an ``optimizer.name``, one of :data:`OPTIMIZER_NAMES`.
+
+    Returns:
+      Its :class:`OptimizerEntry`.
 
     Raises:
       ValueError: an unknown name (naming the allowed ones).

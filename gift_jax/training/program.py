@@ -44,6 +44,16 @@ class Program:
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
                  compiler_options: dict[str, Any] | None = None,
                  update_rule: Callable | None = None):
+        """Args:
+          config: a completed config (checked by :meth:`Recipe.from_config`).
+          mesh: the run's mesh.
+          compiler_options: XLA options of every compiled program, or ``None``.
+          update_rule: ``schedule → transformation`` replacing the config's optimizer (see
+            :func:`~gift_jax.training.method.build_optimizer`), or ``None``.
+
+        Raises:
+          ConfigError: a bad setting, or parameters the mesh cannot split.
+        """
         self.mesh = mesh
         self.recipe = recipe = Recipe.from_config(config, mesh.devices.size)
         self.model_config = recipe.model_config

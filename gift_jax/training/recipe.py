@@ -121,7 +121,17 @@ class CommOptions:
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
-        """From a validated ``comm`` group."""
+        """From a validated ``comm`` group.
+
+        Args:
+          comm: the validated ``comm`` group (any mapping of its settings).
+          seed: ``train.seed`` (the stochastic-rounding keys).
+          stacked_layers: the model scans its blocks (``model.scan_layers``).
+
+        Returns:
+          The options: a block size only for ``comm.scaling='block'`` on a codec that supports
+          it, stochastic rounding and error feedback off on an exact codec.
+        """
         codec = get_codec(comm["codec"])
         block = comm["block_size"] if (codec.supports_block_scaling
                                        and comm["scaling"] == "block") else None
@@ -135,9 +145,17 @@ class CommOptions:
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:
-        """The quantized all-reduce stage over the data axes ``axes`` (a second axis: the
-        intra-node one of a hierarchical reduction); ``shards``: reduce each device's local
-        shard (:class:`gift_jax.LocalShards`)."""
+        """The quantized all-reduce stage over the data axes ``axes``.
+
+        Args:
+          axes: the data axes, ``('data',)`` or ``('data', 'intra')`` (a second axis: the
+            intra-node one of a hierarchical reduction, reduced first in ``intra_codec``).
+          shards: reduce each device's local shard (:class:`gift_jax.LocalShards`, on a
+            sharded mesh), or ``None``.
+
+        Returns:
+          The :func:`gift_jax.allreduce` stage.
+        """
         hierarchical = len(axes) > 1  # ('data', 'intra'): reduce over 'intra' first
         return allreduce(
             axes[0],
@@ -184,7 +202,14 @@ class GiftOptions:
 
     def dimension_numbers(self, stacked_layers: bool) -> dict | None:
         """GIFT's ``dimension_numbers``: the stacked kernels' axes when the model scans its
-        layers, else ``None`` (2-D kernels need none)."""
+        layers, else ``None`` (2-D kernels need none).
+
+        Args:
+          stacked_layers: the model scans its blocks (kernels ``(layers, in, out)``).
+
+        Returns:
+          ``{pattern: MatrixDimensionNumbers(1, 2)}`` for each of :attr:`layers`, or ``None``.
+        """
         if not stacked_layers:
             return None
         return {p: MatrixDimensionNumbers(*STACKED_AXES) for p in self.layers}
@@ -242,7 +267,15 @@ class PlumageOptions:
 def route_frame(config: ml_collections.ConfigDict) -> str:
     """``gift.route_frame`` of a validated config, ``"optimizer"`` resolved to the frame of the
     update the optimizer takes from the reduced gradient (its registry entry's
-    :attr:`~gift_jax.training.optimizers.OptimizerEntry.route_frame`)."""
+    :attr:`~gift_jax.training.optimizers.OptimizerEntry.route_frame`).
+
+    Args:
+      config: a validated config.
+
+    Returns:
+      A value of :data:`gift_jax.whitening.stage.ROUTE_FRAMES` (``"off"`` when the config has
+      no ``gift.route_frame``).
+    """
     frame = config.gift.get("route_frame", "off")
     if frame == "optimizer":
         return get_optimizer(config.optimizer.name).route_frame
@@ -252,6 +285,16 @@ def route_frame(config: ml_collections.ConfigDict) -> str:
 def comm_plan(method: str, codec: Codec, gift_options: GiftOptions,
               plumage_options: PlumageOptions) -> CommPlan:
     """The :class:`~gift_jax.training.method.CommPlan` of ``comm.method``.
+
+    Args:
+      method: ``comm.method``, one of :data:`~gift_jax.training.config.METHODS`.
+      codec: the wire format (the plan records its name).
+      gift_options: the ``gift`` group (layers, refresh period, two-sided, adaptive rule).
+      plumage_options: the ``plumage`` group (refresh period; with ``gift``, refresh steps
+        capture the statistics of ``gift_options.layers``).
+
+    Returns:
+      A ``CommPlan`` (``none``), ``GiftPlan`` (``gift``) or ``PlumagePlan`` (``plumage``).
 
     Raises:
       ConfigError: an unknown method, naming the allowed ones.
@@ -303,6 +346,13 @@ class Recipe:
     def from_config(cls, config: ml_collections.ConfigDict, num_devices: int) -> Recipe:
         """Checks ``config`` (completed, see :func:`~gift_jax.training.config.complete_config`)
         for ``num_devices`` devices and builds its typed parts.
+
+        Args:
+          config: a completed config.
+          num_devices: the number of devices of the run's mesh.
+
+        Returns:
+          The :class:`Recipe` (it keeps ``config`` as the run's record).
 
         Raises:
           ConfigError: a bad setting, in one line naming it and what is allowed.

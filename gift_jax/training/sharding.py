@@ -57,9 +57,22 @@ def param_specs(model_config: Any, mesh_shape: Mapping[str, int],
                 rules: Mapping[str, str] = DEFAULT_RULES) -> dict[str, P]:
     """``{path: PartitionSpec}`` of every parameter for a mesh of ``mesh_shape`` (axis → size).
 
-    Axes of size 1 are dropped from the specs. Raises :class:`ConfigError` (one line naming
-    the parameter, its shape and the axis) when a sharded dimension is not divisible by its
-    axis size, or when tensor parallelism would split an attention head.
+    Axes of size 1 are dropped from the specs.
+
+    Args:
+      model_config: the model family's config dataclass.
+      mesh_shape: ``{mesh axis: size}`` (an absent axis has size 1).
+      rules: logical axis → ``'fsdp'``, ``'tensor'`` or ``''`` (replicated), ``mesh.rules``;
+        a logical axis the rules do not name is replicated.
+
+    Returns:
+      ``{'/'-joined parameter path: PartitionSpec}``.
+
+    Raises:
+      ConfigError: one line naming the parameter, its shape and the axis when a sharded
+        dimension is not divisible by its axis size, or when tensor parallelism would split an
+        attention head; also for an unknown logical or mesh axis in ``rules``, or two
+        dimensions of a parameter mapped to one mesh axis.
     """
     unknown = sorted(set(rules) - set(DEFAULT_RULES))
     if unknown:
@@ -106,7 +119,16 @@ def like_parameter(spec: P, param_shape: tuple[int, ...], shape: tuple[int, ...]
 
     So a projector's rank ``k`` is not split: splitting it over the parameter's other axis
     (to hold exactly 1/(fsdp·tensor) of the state) makes XLA's SPMD partitioner abort on
-    PLUMAGE's step (jax 0.10–0.12, a failed check in spmd_partitioner_util.cc)."""
+    PLUMAGE's step (jax 0.10–0.12, a failed check in spmd_partitioner_util.cc).
+
+    Args:
+      spec: the parameter's spec (may be shorter than its shape: the rest replicated).
+      param_shape: the parameter's shape.
+      shape: the shape of the array that belongs to the parameter.
+
+    Returns:
+      The array's spec, one entry per dimension of ``shape``.
+    """
     entries = list(spec) + [None] * (len(param_shape) - len(spec))
     out: list = [None] * len(shape)
     used: set[int] = set()
@@ -166,7 +188,17 @@ def spread(spec: P, shape: tuple[int, ...], mesh_shape: Mapping[str, int],
     the last unsplit one (so an ``(n, n)`` statistic of a layer whose ``n`` is on ``tensor``
     is split over ``fsdp`` as well), else the last split one whose size the product of its
     axes divides (``('tensor', 'fsdp')``). Dimensions keep the axes they had; those in
-    ``exclude`` (e.g. a projector's rank) take none."""
+    ``exclude`` (e.g. a projector's rank) take none.
+
+    Args:
+      spec: the array's spec so far (may be shorter than ``shape``).
+      shape: the array's shape.
+      mesh_shape: ``{mesh axis: size}``; model axes of size 1 (or absent) are not assigned.
+      exclude: dimensions that take no new axis (negative ones count from the end).
+
+    Returns:
+      The spec, one entry per dimension: ``None``, an axis name or a tuple of them.
+    """
     out = [(e,) if isinstance(e, str) else tuple(e or ())
            for e in list(spec) + [None] * (len(shape) - len(spec))]
     excluded = {d % len(shape) for d in exclude}
@@ -187,6 +219,12 @@ class ParamLayout:
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], specs: Mapping[str, P],
                  mesh_shape: Mapping[str, int] | None = None):
+        """Args:
+          shapes: ``{parameter path: shape}``.
+          specs: ``{parameter path: PartitionSpec}`` (the parameters the layout knows).
+          mesh_shape: ``{mesh axis: size}`` that :func:`spread` assigns axes from, or ``None``
+            (nothing is spread).
+        """
         self._by_tokens = {tuple(path.split("/")): (tuple(shapes[path]), specs[path])
                            for path in specs}
         self._longest = max((len(t) for t in self._by_tokens), default=0)
@@ -195,6 +233,17 @@ class ParamLayout:
     @classmethod
     def of(cls, model_config: Any, mesh_shape: Mapping[str, int],
            rules: Mapping[str, str] = DEFAULT_RULES) -> ParamLayout:
+        """The layout of ``model_config``'s parameters on a mesh of ``mesh_shape``.
+
+        Args:
+          model_config, mesh_shape, rules: as :func:`param_specs`.
+
+        Returns:
+          The :class:`ParamLayout`.
+
+        Raises:
+          ConfigError: as :func:`param_specs`.
+        """
         shapes = {p: s.shape for p, s in param_shapes(model_config, flat=True).items()}
         return cls(shapes, param_specs(model_config, mesh_shape, rules), mesh_shape)
 
@@ -204,7 +253,16 @@ class ParamLayout:
         statistics (:data:`STATISTICS_MEMBERS` of a :data:`GIFT_FIELDS` leaf) and PLUMAGE's
         per-parameter states (:data:`LOWRANK_FIELDS`) are :func:`spread` over the model axes
         as well: replicated over ``fsdp`` they were 15.5 GB (GIFT) and 4.3 GB (PLUMAGE) per chip on
-        Llama-7B."""
+        Llama-7B.
+
+        Args:
+          path: the array's key path in its tree (``jax.tree_util`` keys; dict keys may hold
+            '/'-joined parameter paths, as GIFT's per-layer states).
+          shape: the array's shape.
+
+        Returns:
+          The spec, or ``None``.
+        """
         tokens = _tokens(path)
         for end in range(len(tokens), 0, -1):
             for start in range(max(0, end - self._longest), end):
@@ -222,14 +280,29 @@ class ParamLayout:
         return None
 
     def specs(self, tree: Any) -> Any:
-        """Specs of a tree of arrays (replicated where no parameter path applies)."""
+        """Specs of a tree of arrays (replicated where no parameter path applies).
+
+        Args:
+          tree: a pytree of arrays (or ``jax.ShapeDtypeStruct``).
+
+        Returns:
+          A tree of ``PartitionSpec`` of the same structure.
+        """
         return jax.tree_util.tree_map_with_path(
             lambda path, x: self.spec_at(path, x.shape) or P(), tree)
 
     def local_shards(self, mesh: Mesh) -> LocalShards | None:
         """The all-reduce's :class:`~gift_jax.comm.stage.LocalShards` on ``mesh`` (``None``
         without model axes of size > 1). Manual over every model axis of the mesh, size 1
-        included: a Pallas kernel must see no axis left to GSPMD."""
+        included: a Pallas kernel must see no axis left to GSPMD.
+
+        Args:
+          mesh: the run's mesh.
+
+        Returns:
+          The :class:`~gift_jax.comm.stage.LocalShards` (this layout's :meth:`specs`), or
+          ``None``.
+        """
         if not model_axes(mesh):
             return None
         return LocalShards(tuple(a for a in MODEL_AXES if a in mesh.axis_names), self.specs)
@@ -243,7 +316,17 @@ def activation_axes(mesh: Mesh, rules: Mapping[str, str] = DEFAULT_RULES
     whole. So every FSDP-split weight is gathered for its matmul and the activations stay
     split by rows (ZeRO-3), and tensor-parallel matmuls reduce over ``tensor`` only
     (Megatron); without them GSPMD may split the contraction over ``fsdp`` and all-reduce
-    activations instead (on the 1B model, ~10× the bytes)."""
+    activations instead (on the 1B model, ~10× the bytes).
+
+    Args:
+      mesh: the run's mesh.
+      rules: logical axis → mesh axis (``mesh.rules``).
+
+    Returns:
+      ``((logical name, mesh axis), ...)``: ``("batch", "fsdp")`` when ``fsdp`` splits the
+      model, then each of ``heads``, ``kv_heads``, ``mlp``, ``vocab`` whose rule names a model
+      axis of the mesh other than ``fsdp``; ``()`` on a data-parallel mesh.
+    """
     axes = model_axes(mesh)
     out = [("batch", "fsdp")] if "fsdp" in axes else []
     out += [(name, rules[name]) for name in ("heads", "kv_heads", "mlp", "vocab")
@@ -253,7 +336,15 @@ def activation_axes(mesh: Mesh, rules: Mapping[str, str] = DEFAULT_RULES
 
 def restrict(spec: P, axes: tuple[str, ...]) -> P:
     """``spec`` with only the mesh axes in ``axes`` kept (for ``shard_map``'s specs, which
-    name only its manual axes)."""
+    name only its manual axes).
+
+    Args:
+      spec: a whole-mesh spec.
+      axes: the mesh axes to keep.
+
+    Returns:
+      The restricted spec (an entry left without axes becomes ``None``).
+    """
 
     def keep(entry):
         if entry is None:
@@ -268,7 +359,16 @@ def restrict(spec: P, axes: tuple[str, ...]) -> P:
 def state_specs(opt_state: Any, layout: ParamLayout, mesh: Mesh) -> Any:
     """Whole-mesh ``PartitionSpec`` tree of an (abstract) optimizer state: error-feedback
     buffers per device (:func:`gift_jax.partition_specs`), every leaf under a parameter's
-    path split like it (:meth:`ParamLayout.spec_at`), the rest replicated."""
+    path split like it (:meth:`ParamLayout.spec_at`), the rest replicated.
+
+    Args:
+      opt_state: the optimizer state (abstract arrays suffice).
+      layout: the parameters' layout.
+      mesh: the run's mesh.
+
+    Returns:
+      A tree of ``PartitionSpec`` of the same structure.
+    """
     axes = data_axes(mesh)
     axis = axis_name_of(axes)
     per_device = partition_specs(opt_state, axis, layout.local_shards(mesh))
@@ -282,19 +382,43 @@ def state_specs(opt_state: Any, layout: ParamLayout, mesh: Mesh) -> Any:
 
 
 def shardings(specs: Any, mesh: Mesh) -> Any:
-    """``NamedSharding`` tree of a ``PartitionSpec`` tree."""
+    """``NamedSharding`` tree of a ``PartitionSpec`` tree.
+
+    Args:
+      specs: a tree of ``PartitionSpec``.
+      mesh: the mesh they name axes of.
+
+    Returns:
+      The tree of ``NamedSharding(mesh, spec)``.
+    """
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda s: isinstance(s, P))
 
 
 def manual_specs(specs: Any, mesh: Mesh) -> Any:
-    """The ``shard_map`` specs (data axes only) of a whole-mesh spec tree."""
+    """The ``shard_map`` specs (data axes only) of a whole-mesh spec tree.
+
+    Args:
+      specs: a tree of whole-mesh ``PartitionSpec``.
+      mesh: the run's mesh (its data axes are kept).
+
+    Returns:
+      The tree of specs restricted to the data axes (:func:`restrict`).
+    """
     axes = data_axes(mesh)
     return jax.tree.map(lambda s: restrict(s, axes), specs, is_leaf=lambda s: isinstance(s, P))
 
 
 def shard_bytes(tree: Any) -> int:
-    """Bytes of ``tree``'s arrays held by one device (the largest per-device total)."""
+    """Bytes of ``tree``'s arrays held by one device (the largest per-device total).
+
+    Args:
+      tree: a pytree of placed ``jax.Array``.
+
+    Returns:
+      The largest total over this process's devices (its addressable shards); 0 for an
+      empty tree.
+    """
     per_device: dict[Any, int] = {}
     for x in jax.tree.leaves(tree):
         for shard in x.addressable_shards:

@@ -68,12 +68,30 @@ class ModelDef:
     loss: Callable
 
     def merge(self, params: Params) -> nnx.Module:
+        """The model with ``params`` merged into its graph.
+
+        Args:
+          params: the parameters, a pure dict of the graph's ``nnx.Param`` state.
+
+        Returns:
+          The ``nnx.Module``.
+        """
         return nnx.merge(self.graphdef, params)
 
 
 def replica_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     """``jax.shard_map`` of ``fn`` that is manual over the data axes only (the model axes, if
-    any, stay with GSPMD); specs name data axes only."""
+    any, stay with GSPMD); specs name data axes only.
+
+    Args:
+      fn: the per-replica function.
+      mesh: the run's mesh.
+      in_specs, out_specs: ``shard_map``'s specs of ``fn``'s arguments and results.
+
+    Returns:
+      ``fn`` shard-mapped (``check_vma=False``; on a data-parallel mesh manual over every
+      axis).
+    """
     kwargs = {"axis_names": set(data_axes(mesh))} if model_axes(mesh) else {}
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False, **kwargs)
@@ -82,7 +100,15 @@ def replica_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
 def loss_for(model_def: ModelDef, mesh: Mesh) -> Callable:
     """The loss of the step on ``mesh``: the model family's loss
     (:func:`~gift_jax.models.next_token_loss` for both families), with ``one_hot=True`` on a
-    sharded mesh (a gather along a split vocabulary does not partition)."""
+    sharded mesh (a gather along a split vocabulary does not partition).
+
+    Args:
+      model_def: the model's static graph and loss.
+      mesh: the run's mesh.
+
+    Returns:
+      ``(model, tokens) → loss``.
+    """
     if model_axes(mesh):
         return functools.partial(model_def.loss, one_hot=True)
     return model_def.loss
@@ -97,7 +123,18 @@ def _constrain(tree: Any, specs: Any) -> Any:
 
 def model_def_of(model_config: Any) -> ModelDef:
     """The static graph of the model of ``model_config``, any family (built abstractly, no
-    arrays allocated), with the family's loss."""
+    arrays allocated), with the family's loss.
+
+    Args:
+      model_config: the model family's config dataclass.
+
+    Returns:
+      The :class:`ModelDef`.
+
+    Raises:
+      ValueError: the model has state other than ``nnx.Param`` (the trainer carries
+        parameters only).
+    """
     spec = model_spec(model_config)
     graphdef, _, rest = nnx.split(spec.abstract(model_config), nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -110,7 +147,18 @@ def params_init_fn(model_config: Any, seed: int, mesh: Mesh, layout: ParamLayout
     """Jitted ``() → params`` (a pure dict), initialised on device directly on the layout's
     shardings (a sharded model never materialises whole on one device or on the host): the
     same values on every process and every mesh, a function of ``seed`` only (compiled with
-    ``compiler_options``, as every program of :class:`TrainStep`'s run)."""
+    ``compiler_options``, as every program of :class:`TrainStep`'s run).
+
+    Args:
+      model_config: the model family's config dataclass.
+      seed: the initialisation seed (``train.seed``).
+      mesh: the run's mesh.
+      layout: the parameters' layout (its specs are the output shardings).
+      compiler_options: XLA options, or ``None``.
+
+    Returns:
+      The jitted initialiser.
+    """
 
     def build():
         model = model_spec(model_config).build(model_config, rngs=nnx.Rngs(seed))
@@ -126,7 +174,19 @@ def opt_init_fn(optimizer: Optimizer, abstract_params: Params, mesh: Mesh,
                 ) -> Callable:
     """Jitted ``params → opt_state``: ``tx.init`` inside :func:`replica_map`, so per-device
     buffers (error feedback) are created per device and sharded over every axis (as
-    :func:`gift_jax.init_on_mesh`), the rest as :func:`~.sharding.state_specs` says."""
+    :func:`gift_jax.init_on_mesh`), the rest as :func:`~.sharding.state_specs` says.
+
+    Args:
+      optimizer: the run's :class:`~gift_jax.training.method.Optimizer` (``tx`` is
+        initialised).
+      abstract_params: the parameters' shapes (``jax.eval_shape`` of the initialiser).
+      mesh: the run's mesh.
+      layout: the parameters' layout (the input shardings, and the state's split).
+      compiler_options: XLA options, or ``None``.
+
+    Returns:
+      The jitted initialiser.
+    """
     probe = jax.eval_shape(replica_map(optimizer.tx.init, mesh, P(), P()), abstract_params)
     specs = state_specs(probe, layout, mesh)
     return jax.jit(replica_map(optimizer.tx.init, mesh, P(), manual_specs(specs, mesh)),
@@ -277,6 +337,19 @@ def fidelity_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs
     zeroed error-feedback buffers; for PLUMAGE, its all-reduce stage on the full gradient.
     Metrics are :func:`gift_jax.whitening.fidelity.fidelity_report`'s aggregate (plus the
     whitened error of GIFT's selected layers).
+
+    Args:
+      model_def: the model's static graph and loss.
+      optimizer: the run's :class:`~gift_jax.training.method.Optimizer` (its ``stage`` and
+        its plan's :meth:`~gift_jax.training.method.CommPlan.roundtrip`).
+      mesh: the run's mesh.
+      opt_specs: the optimizer state's ``shard_map`` specs (data axes only).
+      accum_steps: microbatches per step (the diagnostic takes the first).
+      layout: the parameters' split over the model axes, or ``None``.
+      compiler_options: XLA options, or ``None``.
+
+    Returns:
+      The jitted diagnostic.
     """
     axes = data_axes(mesh)
     axis = axis_name_of(axes)
@@ -311,6 +384,17 @@ class TrainStep:
                  opt_state: OptState, *, global_batch: int, seq_len: int, accum_steps: int = 1,
                  compiler_options: dict[str, Any] | None = None,
                  layout: ParamLayout | None = None):
+        """Args:
+          model_def: the model's static graph and loss.
+          optimizer: the run's :class:`~gift_jax.training.method.Optimizer`.
+          mesh: the run's mesh.
+          params, opt_state: the carried parameters and optimizer state (abstract arrays
+            suffice: only shapes and dtypes are read).
+          global_batch, seq_len: the batch is int32 ``[global_batch, seq_len + 1]``.
+          accum_steps: microbatches per step.
+          compiler_options: XLA options of every variant, or ``None``.
+          layout: the parameters' split over the model axes, or ``None`` (replicated).
+        """
         self.model_def, self.optimizer, self.mesh = model_def, optimizer, mesh
         self.accum_steps = accum_steps
         self.compiler_options = dict(compiler_options or {})
@@ -337,12 +421,28 @@ class TrainStep:
         return self._abstract
 
     def place(self, params: Params, opt_state: OptState) -> tuple[Params, OptState]:
-        """``params`` and ``opt_state`` on exactly the shardings the compiled variants use."""
+        """``params`` and ``opt_state`` on exactly the shardings the compiled variants use.
+
+        Args:
+          params: the parameters (fresh or restored).
+          opt_state: the optimizer state (fresh or restored).
+
+        Returns:
+          ``(params, opt_state)``, placed.
+        """
         return (jax.device_put(params, self.param_shardings),
                 jax.device_put(opt_state, self.opt_shardings))
 
     def compiled(self, refresh: bool) -> jax.stages.Compiled:
-        """The compiled variant (compiling it on first use)."""
+        """The compiled variant (compiling it on first use).
+
+        Args:
+          refresh: the refresh variant (a run without one gets the ordinary variant).
+
+        Returns:
+          The compiled ``(params, opt_state, batch) → (params, opt_state, metrics)``
+          (``params`` and ``opt_state`` are donated).
+        """
         refresh = bool(refresh) and True in self.variants()
         if refresh not in self._compiled:
             fn = train_step_fn(self.model_def, self.optimizer, self.mesh, self.opt_specs,
@@ -361,7 +461,15 @@ class TrainStep:
         return self._compiled[refresh]
 
     def refresh_due(self, step: int, opt_state: OptState) -> bool:
-        """Whether ``step`` (0-based) runs the refresh variant (the plan's rule)."""
+        """Whether ``step`` (0-based) runs the refresh variant (the plan's rule).
+
+        Args:
+          step: the 0-based index of the step about to run.
+          opt_state: the whole optimizer state before the step.
+
+        Returns:
+          Whether to call the refresh variant.
+        """
         return self.optimizer.plan.refresh_due(step, opt_state)
 
     def __call__(self, params: Params, opt_state: OptState, batch: jax.Array,
@@ -369,7 +477,14 @@ class TrainStep:
         return self.compiled(refresh)(params, opt_state, batch)
 
     def wire_report(self, refresh: bool = False) -> WireReport:
-        """Collectives of a variant and their bytes per device (from the compiled HLO)."""
+        """Collectives of a variant and their bytes per device (from the compiled HLO).
+
+        Args:
+          refresh: the variant, as :meth:`compiled` (compiled first if it is not yet).
+
+        Returns:
+          The variant's :class:`~gift_jax.comm.wire.WireReport` (cached).
+        """
         refresh = bool(refresh) and True in self.variants()
         if refresh not in self._wire:
             self._wire[refresh] = parse_hlo(self.compiled(refresh).as_text(),

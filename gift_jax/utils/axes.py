@@ -18,17 +18,42 @@ AxisName = str | tuple[str, ...]
 
 
 def axis_tuple(axis_name: AxisName) -> tuple[str, ...]:
-    """``axis_name`` as a tuple of mesh axes."""
+    """``axis_name`` as a tuple of mesh axes.
+
+    Args:
+      axis_name: a mesh axis name or a tuple of them.
+
+    Returns:
+      The axes as a tuple (``(axis_name,)`` for a single name, the tuple itself otherwise).
+    """
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def axis_name_of(axes: tuple[str, ...]) -> AxisName:
-    """The ``axis_name`` collectives take for ``axes``: the name of one axis, else the tuple."""
+    """The ``axis_name`` collectives take for ``axes``: the name of one axis, else the tuple.
+
+    Args:
+      axes: one or more mesh axis names, outermost first (must not be empty).
+
+    Returns:
+      ``axes[0]`` when there is one axis, else ``axes`` unchanged.
+    """
     return axes if len(axes) > 1 else axes[0]
 
 
 def axis_size(axis_name: AxisName) -> int:
-    """Size of a bound (tuple of) mesh axis, with a clear error when it is not bound."""
+    """Size of a bound (tuple of) mesh axis, with a clear error when it is not bound.
+
+    Args:
+      axis_name: a mesh axis or tuple of axes bound by the enclosing ``jax.shard_map``.
+
+    Returns:
+      The number of replicas along the axis (the product of the sizes for a tuple).
+
+    Raises:
+      ValueError: ``axis_name`` is not bound here (called outside ``shard_map``, or the mesh
+        has no such axis).
+    """
     try:
         return int(jax.lax.axis_size(axis_name))
     except NameError as e:
@@ -42,7 +67,18 @@ def axis_size(axis_name: AxisName) -> int:
 def pmean(x, axis_name: AxisName | None):
     """``jax.lax.pmean`` over the replicas of ``axis_name``; the identity for ``None`` or a
     size-1 axis (where XLA's SPMD partitioner refuses an all-reduce of a value that is split
-    over other, GSPMD-partitioned axes: a ``data=1`` sharded mesh)."""
+    over other, GSPMD-partitioned axes: a ``data=1`` sharded mesh).
+
+    Args:
+      x: a pytree of arrays to average over the replicas.
+      axis_name: the mesh axis (or tuple of axes) to average over; ``None``: a single device.
+
+    Returns:
+      ``x`` averaged over the replicas of ``axis_name`` (``x`` itself for ``None`` or size 1).
+
+    Raises:
+      ValueError: ``axis_name`` is not bound here (from :func:`axis_size`).
+    """
     if axis_name is None or axis_size(axis_name) == 1:
         return x
     return jax.lax.pmean(x, axis_name)
@@ -53,14 +89,35 @@ _GATHER_HAS_TO = "to" in inspect.signature(jax.lax.all_gather).parameters
 
 def all_gather_invariant(x: jax.Array, axis_name: AxisName, tiled: bool = False) -> jax.Array:
     """``all_gather`` whose result is typed *invariant* over the axis (it is: every replica
-    holds the same bytes), so outputs can leave ``shard_map`` as ``P()`` under ``check_vma``."""
+    holds the same bytes), so outputs can leave ``shard_map`` as ``P()`` under ``check_vma``.
+    On a JAX without ``all_gather(..., to=...)`` it is a plain ``all_gather``.
+
+    Args:
+      x: this replica's array, gathered along a new (or, ``tiled``, its existing) axis 0.
+      axis_name: the bound mesh axis (or tuple of axes) to gather over.
+      tiled: concatenate the replicas' arrays along axis 0 instead of stacking them on a new
+        leading axis.
+
+    Returns:
+      The replicas' ``x`` in replica order: shape ``(n, *x.shape)``, or
+      ``(n * x.shape[0], *x.shape[1:])`` when ``tiled`` (``n`` = the axis size).
+    """
     if _GATHER_HAS_TO:
         return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled, to="invarying")
     return jax.lax.all_gather(x, axis_name, axis=0, tiled=tiled)
 
 
 def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Type a per-device value as varying over the axis (for ``check_vma=True``)."""
+    """Type a per-device value as varying over the axis (for ``check_vma=True``).
+
+    Args:
+      x: a value inside ``jax.shard_map``.
+      axis_name: the mesh axis (or tuple of axes) it is to vary over.
+
+    Returns:
+      ``x`` typed as varying over ``axis_name`` (``jax.lax.pcast``, or ``jax.lax.pvary`` on
+      older JAX); ``x`` unchanged on a JAX that has neither.
+    """
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axis_name, to="varying")
     if hasattr(jax.lax, "pvary"):
@@ -79,7 +136,14 @@ def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def varying_axes(x: Any) -> frozenset[str]:
     """The manual mesh axes the type of ``x`` (an array, tracer or ``ShapeDtypeStruct``) varies
-    over; empty outside ``shard_map`` and under ``check_vma=False``."""
+    over; empty outside ``shard_map`` and under ``check_vma=False``.
+
+    Args:
+      x: an array, tracer or ``jax.ShapeDtypeStruct``.
+
+    Returns:
+      The names of the manual mesh axes its type varies over.
+    """
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
     if mat is not None:
@@ -90,7 +154,14 @@ def varying_axes(x: Any) -> frozenset[str]:
 def vma_checked(axis_name: AxisName) -> bool:
     """Whether the enclosing ``shard_map`` tracks how values vary over ``axis_name``
     (``check_vma=True``): the replica index varies over its axis exactly then. ``False`` for
-    an axis that is not bound here (the collectives name that error themselves)."""
+    an axis that is not bound here (the collectives name that error themselves).
+
+    Args:
+      axis_name: a mesh axis or tuple of axes (all of them must be tracked).
+
+    Returns:
+      Whether every axis of ``axis_name`` is bound and tracked by ``check_vma``.
+    """
     try:
         return all(a in varying_axes(jax.lax.axis_index(a)) for a in axis_tuple(axis_name))
     except NameError:
@@ -98,7 +169,15 @@ def vma_checked(axis_name: AxisName) -> bool:
 
 
 def cast_varying(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """``x`` typed as varying over ``axes`` as well (a no-op where it already does)."""
+    """``x`` typed as varying over ``axes`` as well (a no-op where it already does).
+
+    Args:
+      x: a value inside ``jax.shard_map``.
+      axes: the manual mesh axes it must vary over (in addition to those it already does).
+
+    Returns:
+      ``x``, typed as varying over ``axes`` too.
+    """
     missing = tuple(sorted(axes - varying_axes(x)))
     return as_varying(x, missing) if missing else x
 
@@ -108,7 +187,18 @@ def cond(pred: Any, true_fn: Callable, false_fn: Callable, *operands: Any) -> An
     (one branch returns a constant, the other a value computed from per-replica data): each
     output is typed as varying over the union of both branches' axes (and the predicate's),
     which is what ``check_vma=True`` asks of a ``cond``. Without tracking it is
-    ``jax.lax.cond``."""
+    ``jax.lax.cond``.
+
+    Args:
+      pred: the scalar boolean predicate.
+      true_fn, false_fn: the branches, called with ``*operands``; their outputs must have the
+        same tree structure, shapes and dtypes.
+      *operands: the branches' arguments.
+
+    Returns:
+      The output of ``true_fn`` if ``pred`` else of ``false_fn``; under tracking each leaf is
+      typed as varying over the axes of that leaf in either branch and of the predicate.
+    """
     shapes = jax.eval_shape(true_fn, *operands), jax.eval_shape(false_fn, *operands)
     leaves = [jax.tree.leaves(s) for s in shapes]
     if not any(varying_axes(x) for side in leaves for x in side) and not varying_axes(pred):
@@ -137,7 +227,18 @@ def require_per_device(tree: Any, axis_name: AxisName, stage: str) -> None:
     ``axis_name`` under ``check_vma=True``: autodiff of parameters passed in replicated has
     summed it over the devices in full precision already, and reducing it again would multiply
     it by the number of replicas (and compress nothing: the sum has crossed the wire). Under
-    ``check_vma=False`` nothing is tracked and nothing is checked."""
+    ``check_vma=False`` nothing is tracked and nothing is checked.
+
+    Args:
+      tree: the gradient pytree the stage is about to reduce.
+      axis_name: the data-parallel axis (or tuple of axes) the stage reduces over; ``None``
+        (a single device): nothing is checked.
+      stage: the stage's name, which the error message starts with (e.g. ``"gift_jax.gift"``).
+
+    Raises:
+      NotPerDeviceError: a leaf of ``tree`` does not vary over every axis of ``axis_name``
+        (the message names the first such leaf's path and counts the others).
+    """
     if axis_name is None or not vma_checked(axis_name):
         return
     axes = frozenset(axis_tuple(axis_name))

@@ -58,6 +58,14 @@ def pin_cpu_isa(isa: str = "AVX2") -> bool:
     low-precision rows are not (fp8 eval loss 2.5944 under AVX2, 2.5931 under AVX-512; the
     thread count changed nothing). The demo pins AVX2 (every x86-64 CPU since 2013 has it)
     so that its table reproduces across machines; training does not (it keeps the speed).
+
+    Args:
+      isa: the value of ``--xla_cpu_max_isa``, an instruction set XLA:CPU knows (e.g.
+        ``"AVX2"``, ``"AVX512"``); not validated here.
+
+    Returns:
+      Whether the flag was added (``False`` on a non-x86-64 host or when ``XLA_FLAGS``
+      already names ``--xla_cpu_max_isa``).
     """
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -74,6 +82,13 @@ def simulate_cpu_devices(count: int) -> bool:
     Call it before the first JAX operation (importing JAX or :mod:`gift_jax` is fine): JAX
     refuses the setting once its backends are initialised. Also applies
     :func:`avoid_cpu_dot_crash`. Returns whether the count was set.
+
+    Args:
+      count: the number of CPU devices, an int >= 1 (sets ``jax_num_cpu_devices``).
+
+    Returns:
+      Whether the count was set (``False``: ``XLA_FLAGS`` sets
+      ``--xla_force_host_platform_device_count``, which decides).
 
     Raises:
       ValueError: ``count`` is not a positive int.

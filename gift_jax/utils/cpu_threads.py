@@ -38,6 +38,13 @@ def limit_openblas_threads(threads: int = 1) -> bool:
     """Limit OpenBLAS to ``threads`` unless ``OPENBLAS_NUM_THREADS`` is already set.
 
     Returns whether a limit was applied (``False``: the user's setting is kept).
+
+    Args:
+      threads: threads per OpenBLAS call; written to ``OPENBLAS_NUM_THREADS`` (for libraries
+        loaded later) and passed to ``openblas_set_num_threads`` of those already loaded.
+
+    Returns:
+      Whether a limit was applied (``False``: ``OPENBLAS_NUM_THREADS`` was set and is kept).
     """
     if "OPENBLAS_NUM_THREADS" in os.environ:
         return False

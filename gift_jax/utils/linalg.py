@@ -39,6 +39,14 @@ def map_matrices(fn: Callable[..., Any], *xs: Any) -> Any:
     """``jax.vmap(fn)(*xs)`` over the leading axis, as ``lax.map`` on CPU (see module doc).
 
     ``None`` arguments are passed through unbatched, like ``in_axes=None``.
+
+    Args:
+      fn: the per-matrix function, called with one slice of each array argument (and the
+        ``None`` ones as ``None``); it may return a pytree.
+      *xs: arrays sharing a leading batch size T, or ``None``; at least one must be an array.
+
+    Returns:
+      ``fn``'s outputs stacked along a new leading axis of size T (same pytree structure).
     """
     if jax.default_backend() != "cpu":
         return jax.vmap(fn, in_axes=tuple(None if x is None else 0 for x in xs))(*xs)
@@ -60,6 +68,20 @@ def map_matrices_sharded(fn: Callable[..., Any], *xs: Any, axis_name: AxisName |
     ``xs`` on every replica.  Replica i maps rows ``[i·c, (i+1)·c)`` of the batch padded to
     R·c rows (c = ⌈T/R⌉, padding repeats rows from the start), then the results are
     all-gathered and cut back to T.  ``axis_name=None`` or a size-1 axis maps locally.
+
+    Args:
+      fn: the per-matrix function, as for :func:`map_matrices`.
+      *xs: arrays sharing a leading batch size T, or ``None``; at least one must be an array,
+        and every replica must hold the same values.
+      axis_name: the bound mesh axis (or tuple of axes) to spread the batch over; ``None``:
+        map every row on this device.
+
+    Returns:
+      ``map_matrices(fn, *xs)``: every output leaf with leading axis T, identical on every
+      replica (typed invariant over ``axis_name``).
+
+    Raises:
+      ValueError: ``axis_name`` is not bound here (from :func:`~gift_jax.utils.axes.axis_size`).
     """
     size = 1 if axis_name is None else axis_size(axis_name)
     if size == 1:
@@ -90,6 +112,19 @@ def map_matrices_grouped(
     axis (and in which are ``None``) are concatenated, mapped together with
     :func:`map_matrices_sharded` over ``axis_name`` (``None``: locally), and split back, so
     ``result[name]`` equals ``map_matrices(fn, *jobs[name])``.
+
+    Args:
+      fn: the per-matrix function, as for :func:`map_matrices`.
+      jobs: ``{name: args}``; every job's arguments are arrays with that job's leading batch
+        size, or ``None``, and at least one is an array.
+      axis_name: the bound mesh axis (or tuple of axes) to spread each group's batch over, as
+        in :func:`map_matrices_sharded`; ``None``: map locally.
+
+    Returns:
+      ``{name: outputs}`` for every job: ``fn``'s outputs stacked over that job's batch.
+
+    Raises:
+      ValueError: ``axis_name`` is not bound here (from :func:`~gift_jax.utils.axes.axis_size`).
     """
     groups: dict[tuple, list[Hashable]] = {}
     for name, args in jobs.items():

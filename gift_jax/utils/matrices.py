@@ -30,7 +30,14 @@ class MatrixDimensionNumbers(NamedTuple):
 
 
 def is_dimension_numbers(x: Any) -> bool:
-    """Ours, or any record with ``reduction_axis`` and ``output_axis`` (optax's)."""
+    """Ours, or any record with ``reduction_axis`` and ``output_axis`` (optax's).
+
+    Args:
+      x: any value, e.g. a value of a ``dimension_numbers`` mapping.
+
+    Returns:
+      Whether ``x`` is a tuple (a NamedTuple) with ``reduction_axis`` and ``output_axis``.
+    """
     return isinstance(x, tuple) and hasattr(x, "reduction_axis") and hasattr(x, "output_axis")
 
 
@@ -51,7 +58,23 @@ class MatrixView:
     def of(cls, shape: Sequence[int], dims: Any, where: str) -> MatrixView:
         """The view of a leaf of ``shape`` through ``dims``; ``where`` names the leaf and the
         setting in the error raised when the axes are empty, repeated, overlapping or out of
-        range."""
+        range.
+
+        Args:
+          shape: the leaf's shape.
+          dims: a :class:`MatrixDimensionNumbers` or any record with ``reduction_axis`` and
+            ``output_axis`` (an int or a sequence of ints each; negative axes count from the
+            end).
+          where: the prefix of the error message, naming the leaf and the setting.
+
+        Returns:
+          The view, its axes normalized to non-negative; every axis in neither set is a batch
+          axis, in order.
+
+        Raises:
+          ValueError: the reduction or output axes are empty, repeated, overlapping or out of
+            range for ``shape``.
+        """
         shape = tuple(int(d) for d in shape)
         ndim = len(shape)
         red, out = _as_tuple(dims.reduction_axis), _as_tuple(dims.output_axis)
@@ -93,7 +116,17 @@ class MatrixView:
         """Leaf → ``(batch, n_reduction, n_output)`` (or ``(batch, n_output, n_reduction)``).
 
         Sizes are read from ``x``, so the view also serves arrays whose axes differ in length
-        from the leaf it was made for (e.g. projected coordinates)."""
+        from the leaf it was made for (e.g. projected coordinates).
+
+        Args:
+          x: an array with the leaf's number of axes.
+          reduction_first: put the reduction (input) axes in the rows; ``False``: the output
+            axes.
+
+        Returns:
+          ``x`` with its batch axes flattened in front, then the row axes, then the column axes:
+          shape ``(batch, n_reduction, n_output)``, or ``(batch, n_output, n_reduction)``.
+        """
         rows = self.reduction_axes if reduction_first else self.output_axes
         size = lambda axes: math.prod(x.shape[a] for a in axes)
         return jnp.transpose(x, self._perm(reduction_first)).reshape(
@@ -101,7 +134,18 @@ class MatrixView:
 
     def from_matrix(self, y: jax.Array, reduction_first: bool = True,
                     shape: Sequence[int] | None = None) -> jax.Array:
-        """Inverse of :meth:`to_matrix`, back to ``shape`` (default: the leaf's)."""
+        """Inverse of :meth:`to_matrix`, back to ``shape`` (default: the leaf's).
+
+        Args:
+          y: a ``(batch, rows, cols)`` array as :meth:`to_matrix` returns it (any shape whose
+            size matches ``shape``).
+          reduction_first: as given to :meth:`to_matrix`.
+          shape: the leaf-layout shape to restore (e.g. a projected leaf's); ``None``: the
+            view's ``shape``.
+
+        Returns:
+          ``y`` reshaped and transposed back to the leaf's axis order, of shape ``shape``.
+        """
         shape = self.shape if shape is None else tuple(shape)
         perm = self._perm(reduction_first)
         inv = tuple(sorted(range(len(perm)), key=lambda i: perm[i]))

@@ -16,7 +16,14 @@ __all__ = ["host_platform", "kernel_platform", "non_manual_axes", "target_device
 
 def kernel_platform(platform: str) -> str:
     """The kernel platform of a jax platform name: ``"gpu"`` (cuda, rocm), ``"tpu"``, or
-    ``"interpret"`` (anything else)."""
+    ``"interpret"`` (anything else).
+
+    Args:
+      platform: a jax platform name, e.g. ``jax.default_backend()`` or a device's ``platform``.
+
+    Returns:
+      ``"gpu"``, ``"tpu"`` or ``"interpret"``.
+    """
     return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "interpret")
 
 
@@ -38,7 +45,15 @@ def target_device() -> tuple[str, str | None]:
 
 def non_manual_axes(min_size: int = 2) -> tuple[str, ...]:
     """The axes of the mesh in context, of at least ``min_size`` devices, that are not
-    ``Manual``: there GSPMD may split arrays, and it cannot partition a Pallas kernel."""
+    ``Manual``: there GSPMD may split arrays, and it cannot partition a Pallas kernel.
+
+    Args:
+      min_size: the smallest axis size counted (the default 2 skips size-1 axes, which split
+        nothing).
+
+    Returns:
+      Those axis names in mesh order; ``()`` with no mesh in context.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()

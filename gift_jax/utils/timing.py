@@ -34,7 +34,16 @@ class Stopwatch:
     def phase(self, name: str, block: Any = None) -> Iterator[None]:
         """Times the block as phase ``name``; ``block`` (a pytree of arrays, or a callable
         returning one) is waited for *before* the clock starts, so device work dispatched
-        earlier is not charged to this phase."""
+        earlier is not charged to this phase.
+
+        Args:
+          name: the phase the block's seconds are added to (e.g. ``"train"``, ``"eval"``).
+          block: a pytree of arrays, or a callable returning one, to wait for before the clock
+            starts; ``None``: start at once.
+
+        Yields:
+          Nothing; the ``with`` block is timed (also when it raises).
+        """
         if block is not None:
             jax.block_until_ready(block() if callable(block) else block)
         start = time.perf_counter()
@@ -44,14 +53,37 @@ class Stopwatch:
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
+        """Adds ``seconds`` to phase ``name``.
+
+        Args:
+          name: the phase.
+          seconds: wall-clock seconds to add.
+        """
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def get(self, name: str) -> float:
+        """Seconds accumulated in phase ``name`` so far.
+
+        Args:
+          name: the phase.
+
+        Returns:
+          Its total seconds; 0.0 for a phase never timed.
+        """
         return self.seconds.get(name, 0.0)
 
 
 def timed_call(fn: Callable, *args: Any) -> tuple[float, Any]:
-    """``(seconds, result)`` of one blocked call ``fn(*args)``."""
+    """``(seconds, result)`` of one blocked call ``fn(*args)``.
+
+    Args:
+      fn: the callable (e.g. a jitted function), called once; not warmed up here.
+      *args: its arguments.
+
+    Returns:
+      ``(seconds, result)``: wall-clock seconds until the result was ready
+      (``jax.block_until_ready``), and the result.
+    """
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return time.perf_counter() - start, out

@@ -90,7 +90,22 @@ def known_topologies() -> list[str]:
 
 def parse_topology(name: str, slices: int = 1) -> Topology:
     """``v5p-128`` (Cloud TPU accelerator type) or ``v5p:4x4x4`` (libtpu) → :class:`Topology`.
-    Raises :class:`TopologyError` listing the known names."""
+    Raises :class:`TopologyError` listing the known names.
+
+    Args:
+      name: an accelerator type ``GEN-CORES`` (GEN one of v4, v5e, v5p, v6e; CORES the
+        TensorCores of one slice, see :func:`known_topologies`) or libtpu's ``GEN:AxBxC``
+        (``GEN:AxB`` for v5e/v6e); case and surrounding spaces are ignored.
+      slices: the number of slices (multi-slice over DCN), a positive int.
+
+    Returns:
+      The :class:`Topology`: generation, chip grid of one slice, and ``slices``.
+
+    Raises:
+      TopologyError: ``slices`` is not a positive int, the name is unknown (the message lists
+        the known names), or a libtpu grid has the wrong number of dimensions or a
+        non-positive one.
+    """
     if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
         raise TopologyError(f"--slices={slices!r} must be a positive int")
     known = ", ".join(known_topologies())
@@ -139,7 +154,19 @@ def libtpu_available() -> bool:
 @functools.cache
 def compile_only_devices(libtpu_name: str, slices: int = 1) -> tuple:
     """The compile-only devices of a libtpu topology (``"v5p:4x4x4"``), cached. Raises
-    :class:`TopologyError` with the install line when libtpu is missing."""
+    :class:`TopologyError` with the install line when libtpu is missing.
+
+    Args:
+      libtpu_name: libtpu's topology name of one slice, ``GEN:AxBxC`` or ``GEN:AxB``.
+      slices: the number of slices (each device carries ``slice_index``).
+
+    Returns:
+      The devices of all slices, as a tuple (they compile programs, never run them).
+
+    Raises:
+      TopologyError: libtpu is not installed (the message is the install line), or libtpu
+        cannot build this topology (its first error line).
+    """
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         import libtpu  # noqa: F401
@@ -159,14 +186,32 @@ def compile_only_devices(libtpu_name: str, slices: int = 1) -> tuple:
 
 
 def topology_devices(topology: Topology) -> list:
-    """The compile-only devices of ``topology`` (all slices)."""
+    """The compile-only devices of ``topology`` (all slices).
+
+    Args:
+      topology: the TPU job, e.g. from :func:`parse_topology`.
+
+    Returns:
+      Its ``topology.chips`` compile-only devices, as a list (e.g. for a mesh).
+
+    Raises:
+      TopologyError: libtpu is missing or cannot build the topology.
+    """
     return list(compile_only_devices(topology.libtpu_name, topology.slices))
 
 
 def one_chip_device(device_kind: str):
     """A compile-only device of ``device_kind`` (``"TPU v5"``), or ``None`` when libtpu is
     absent or the kind is not one of :data:`DEVICE_KINDS` (the Mosaic compile check of
-    :mod:`gift_jax.comm.kernels.backend`)."""
+    :mod:`gift_jax.comm.kernels.backend`).
+
+    Args:
+      device_kind: a ``device.device_kind`` such as ``"TPU v5"`` or ``"TPU v5 lite"``, or
+        ``"TPU <generation>"`` (e.g. ``"TPU v5p"``).
+
+    Returns:
+      The first device of the generation's smallest slice, or ``None``.
+    """
     for generation, kind in DEVICE_KINDS.items():
         if kind == device_kind or f"TPU {generation}" == device_kind:
             grid = GRIDS[generation][min(GRIDS[generation])]

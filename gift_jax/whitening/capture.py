@@ -197,8 +197,18 @@ def _capturing_class(cls: type) -> type:
 def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nnx.Linear]:
     """``{kernel path: module}`` for the ``nnx.Linear`` modules selected by ``layers``.
 
-    Raises :class:`~gift_jax.utils.tree_paths.UnmatchedPatternError` for a pattern that selects
-    no module, ``ValueError`` for one that selects a module that is not an ``nnx.Linear``.
+    Args:
+      model: the NNX model (only read).
+      layers: GIFT's layer patterns (a single str is one pattern); each matches a module path
+        (``*/mlp/down_proj``) or its kernel path.
+
+    Returns:
+      ``{kernel path: module}`` of the selected ``nnx.Linear`` modules, in module order.
+
+    Raises:
+      UnmatchedPatternError: a pattern that selects no module
+        (:class:`~gift_jax.utils.tree_paths.UnmatchedPatternError`, a ``ValueError``).
+      ValueError: a pattern that selects a module that is not an ``nnx.Linear``.
     """
     if isinstance(layers, str):
         layers = (layers,)
@@ -226,7 +236,18 @@ def find_linear_layers(model: nnx.Module, layers: Sequence[str]) -> dict[str, nn
 
 def output_probes(model: nnx.Module, layers: Sequence[str]) -> dict[str, jax.Array]:
     """``{kernel path: zeros(lead + (m, m), fp32)}``: the probes of :func:`install_capture`'s
-    ``output_probes`` (m = the kernel's last axis, lead = its stacked leading axes)."""
+    ``output_probes`` (m = the kernel's last axis, lead = its stacked leading axes).
+
+    Args:
+      model: the NNX model (only read).
+      layers: GIFT's layer patterns (as :func:`find_linear_layers`).
+
+    Returns:
+      ``{kernel path: zero probe}`` for every selected layer.
+
+    Raises:
+      ValueError: as :func:`find_linear_layers`.
+    """
     out = {}
     for path, module in find_linear_layers(model, layers).items():
         shape = module.kernel[...].shape
@@ -282,6 +303,10 @@ def install_capture(
 
     Returns:
       The handle of the installed capture.
+
+    Raises:
+      ValueError: as :func:`find_linear_layers`, or ``output_probes`` whose keys are not the
+        selected kernel paths or whose shapes are not ``lead + (m, m)``.
     """
     found = find_linear_layers(model, layers)
     if output_probes is not None and set(output_probes) != set(found):
@@ -309,7 +334,16 @@ def install_capture(
 
 
 def input_stats(handle: dict[str, tuple[Any, type, Any]]) -> dict[str, jax.Array]:
-    """``{kernel path: A = Σ x xᵀ / #tokens}`` (lead + (n, n), fp32) from a capture handle."""
+    """``{kernel path: A = Σ x xᵀ / #tokens}`` (lead + (n, n), fp32) from a capture handle.
+
+    Args:
+      handle: what :func:`install_capture` returned, read while the capture is installed
+        (before :func:`remove_capture`), after the forward pass.
+
+    Returns:
+      ``{kernel path: A}``, the mean over every row the layer processed since the install (a
+      layer never called gives zeros).
+    """
     out = {}
     for path, (module, _, _) in handle.items():
         s, c = getattr(module, _SUM)[...], getattr(module, _COUNT)[...]
@@ -342,7 +376,21 @@ def install_coverage(
     axes reshaped to the kernel's stacked axes.  Each call of a selected layer adds
     ``[Σ_t ‖Bᵀ S x_t‖², Σ_t ‖S x_t‖²]`` over every ``⌊T / samples⌋``-th of its ``T`` input rows
     (about ``samples`` rows, O(samples·n·r) work).  Returns the handle for
-    :func:`input_coverage` / :func:`remove_capture`."""
+    :func:`input_coverage` / :func:`remove_capture`.
+
+    Args:
+      model: the NNX model (changed in place until :func:`remove_capture`).
+      bases: ``{kernel path: (B, S)}``, e.g. :func:`gift_jax.whitening.stage.coverage_bases`
+        of the GIFT state; keys must be kernel paths of ``nnx.Linear`` layers.
+      samples: about how many input rows per call to sample, an int >= 1.
+
+    Returns:
+      The handle of the installed measurement.
+
+    Raises:
+      ValueError: ``bases`` keys that are not kernel paths of ``nnx.Linear`` layers, or
+        ``samples`` not an int >= 1.
+    """
     found = find_linear_layers(model, list(bases))
     if set(found) != set(bases):
         raise ValueError(f"capture: bases keys {sorted(bases)} are not kernel paths of "
@@ -365,7 +413,15 @@ def install_coverage(
 
 
 def input_coverage(handle: dict[str, tuple[Any, type, Any]]) -> dict[str, jax.Array]:
-    """``{kernel path: [Σ ‖BᵀSx‖², Σ ‖Sx‖²]}`` (lead + (2,), fp32) from a coverage handle."""
+    """``{kernel path: [Σ ‖BᵀSx‖², Σ ‖Sx‖²]}`` (lead + (2,), fp32) from a coverage handle.
+
+    Args:
+      handle: what :func:`install_coverage` returned, read while it is installed (before
+        :func:`remove_capture`), after the forward pass.
+
+    Returns:
+      ``{kernel path: sums}``, summed over every call since the install.
+    """
     return {path: getattr(module, _COVERAGE)[...] for path, (module, _, _) in handle.items()}
 
 
@@ -384,6 +440,17 @@ def with_input_coverage(
     ``A`` the second moment of the sampled inputs: it falls as the input distribution rotates
     away from the basis the factor was built on.  Sums, not means, so gradient accumulation
     and layers applied more than once add up; only their ratio is used.
+
+    Args:
+      loss_fn: ``loss_fn(model, *args, **kwargs)``, unchanged.
+      bases: ``{kernel path: (B, S)}`` from
+        :func:`~gift_jax.whitening.stage.coverage_bases` of the stage's current state.
+      samples: about how many input rows per layer call to sample (an int >= 1, checked
+        when the returned function is called).
+
+    Returns:
+      ``fn(model, *args, **kwargs) → (out, {kernel path: [Σ‖BᵀSx‖², Σ‖Sx‖²]})``; it raises
+      the ``ValueError`` of :func:`install_coverage`.
     """
 
     return _capturing(loss_fn, lambda m: install_coverage(m, bases, samples), input_coverage)
@@ -448,6 +515,9 @@ def kfac_value_and_grad(
 
     Returns:
       The function described above.
+
+    Raises:
+      ValueError: an unknown ``reduction``.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"capture: reduction must be one of {REDUCTIONS}, got {reduction!r}")

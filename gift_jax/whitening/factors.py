@@ -155,13 +155,33 @@ class KroneckerFactor(NamedTuple):
 
 
 def second_moment(x: jax.Array) -> jax.Array:
-    """A = E[x xᵀ] = Xᵀ X / N in fp32 for inputs x (..., n) flattened over leading axes."""
+    """A = E[x xᵀ] = Xᵀ X / N in fp32 for inputs x (..., n) flattened over leading axes.
+
+    Args:
+      x: a layer's inputs, shape (..., n), any float dtype; the N rows are every index of the
+        leading axes (batch, sequence, ...).
+
+    Returns:
+      A, shape (n, n), fp32.
+    """
     x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     return jnp.einsum("ti,tj->ij", x, x, precision=jax.lax.Precision.HIGHEST) / x.shape[0]
 
 
 def absolute_damping(a: jax.Array, damping: float, mode: str = "relative") -> jax.Array:
-    """ε = damping · tr(A)/n (``"relative"``) or ε = damping (``"absolute"``)."""
+    """ε = damping · tr(A)/n (``"relative"``) or ε = damping (``"absolute"``).
+
+    Args:
+      a: the statistic A (n × n); only its trace is read, and only in ``"relative"`` mode.
+      damping: the damping coefficient (not checked here; :func:`make_factor` requires > 0).
+      mode: ``"relative"`` (to the mean eigenvalue tr(A)/n) or ``"absolute"``.
+
+    Returns:
+      ε, a () fp32 (0 for an all-zero A in ``"relative"`` mode).
+
+    Raises:
+      ValueError: an unknown ``mode``.
+    """
     if mode not in _DAMPING_MODES:
         raise ValueError(f"damping_mode must be one of {_DAMPING_MODES}, got {mode!r}")
     if mode == "absolute":
@@ -193,6 +213,20 @@ def dense_factor(
 
     ``eig = (λ, U)`` (ascending, of A itself) reuses an eigendecomposition for the symmetric
     root, so a retry with a larger ε costs no second ``eigh``.
+
+    Args:
+      a: the statistic A (n × n), symmetrised and cast to fp32 here.
+      eps: the damping ε (a () array or float, already absolute).
+      sqrt: ``"cholesky"`` (W = L⁻¹, W⁻¹ = L) or ``"symmetric"`` (W = Â^{-1/2}).
+      eig: ``(λ (n,), U (n, n))`` as ``jnp.linalg.eigh(A)`` returns them, read by
+        ``"symmetric"`` only; ``None`` computes them.
+
+    Returns:
+      A :class:`DenseFactor` ``(w, w_inv)``, each (n, n) fp32; not finite when the Cholesky
+      factorisation of Â breaks down (:func:`make_factor` checks and retries).
+
+    Raises:
+      ValueError: an unknown ``sqrt``.
     """
     if sqrt not in _SQRTS:
         raise ValueError(f"sqrt must be one of {_SQRTS}, got {sqrt!r}")
@@ -208,7 +242,15 @@ def dense_factor(
 
 
 def diag_factor(a: jax.Array, eps: jax.Array) -> DiagFactor:
-    """Diagonal whitener of Â = diag(A) + εI."""
+    """Diagonal whitener of Â = diag(A) + εI.
+
+    Args:
+      a: the statistic A (n × n); only its diagonal is read (negative entries clipped to 0).
+      eps: the damping ε (already absolute).
+
+    Returns:
+      A :class:`DiagFactor` with ``scale`` = (diag(A) + ε)^{-1/2}, shape (n,), fp32.
+    """
     return DiagFactor(scale=(jnp.maximum(jnp.diagonal(a).astype(jnp.float32), 0.0) + eps) ** -0.5)
 
 
@@ -216,7 +258,20 @@ def block_diag_factor(
     a: jax.Array, eps: jax.Array, block_size: int = 128, sqrt: str = "cholesky"
 ) -> BlockDiagFactor:
     """Block-diagonal whitener (blocks of ``block_size`` along the diagonal of A, the last one
-    ragged: padded with identity rows/columns, which whiten to themselves up to 1/√(1+ε))."""
+    ragged: padded with identity rows/columns, which whiten to themselves up to 1/√(1+ε)).
+
+    Args:
+      a: the statistic A (n × n); entries outside the diagonal blocks are ignored.
+      eps: the damping ε (already absolute), added to every block.
+      block_size: the block width b (clamped to n).
+      sqrt: the square root of each block, as :func:`dense_factor`.
+
+    Returns:
+      A :class:`BlockDiagFactor` ``(w, w_inv)``, each (nb, b, b) fp32 with nb = ⌈n/b⌉.
+
+    Raises:
+      ValueError: ``block_size < 1``, or an unknown ``sqrt``.
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n = a.shape[-1]
@@ -240,7 +295,18 @@ def _residual_level(a: jax.Array, lam: jax.Array) -> jax.Array:
 def lowrank_isotropic_factor(
     a: jax.Array, eps: jax.Array, u: jax.Array, lam: jax.Array
 ) -> LowRankIsotropicFactor:
-    """Â^{-1/2} = U(Λ+ε)^{-1/2}Uᵀ + (ρ+ε)^{-1/2}(I − UUᵀ) from top eigenpairs (u, lam) of A."""
+    """Â^{-1/2} = U(Λ+ε)^{-1/2}Uᵀ + (ρ+ε)^{-1/2}(I − UUᵀ) from top eigenpairs (u, lam) of A.
+
+    Args:
+      a: the statistic A (n × n); only its trace is read (for ρ).
+      eps: the damping ε (already absolute).
+      u: the top eigenvectors of A, (n, r), orthonormal columns.
+      lam: their eigenvalues, (r,) (negative values, from rounding, are clipped to 0).
+
+    Returns:
+      A :class:`LowRankIsotropicFactor` ``(u, c_top, c_rest)`` of shapes (n, r), (r,), (),
+      fp32.
+    """
     lam = jnp.maximum(lam.astype(jnp.float32), 0.0)
     rho = _residual_level(_sym(a), lam)
     return LowRankIsotropicFactor(
@@ -253,7 +319,17 @@ def lowrank_diag_factor(
 ) -> LowRankDiagFactor:
     """Factored W = (I + QSQᵀ)^{-1/2} D^{-1/2} for Â = UΛUᵀ + D (never forms an n×n matrix
     beyond reading diag(A)):  D = max(diag(A) − Σ λ_i u_i², 0) + ε,
-    D^{-1/2} U Λ^{1/2} = Q Σ Vᵀ, S = Σ²."""
+    D^{-1/2} U Λ^{1/2} = Q Σ Vᵀ, S = Σ².
+
+    Args:
+      a: the statistic A (n × n); only its diagonal is read.
+      eps: the damping ε (already absolute), added to D.
+      u: the top eigenvectors of A, (n, r), orthonormal columns.
+      lam: their eigenvalues, (r,) (negative values, from rounding, are clipped to 0).
+
+    Returns:
+      A :class:`LowRankDiagFactor` ``(d_inv_sqrt, q, s)`` of shapes (n,), (n, r), (r,), fp32.
+    """
     lam = jnp.maximum(lam.astype(jnp.float32), 0.0)
     u = u.astype(jnp.float32)
     resid = jnp.diagonal(a).astype(jnp.float32) - jnp.sum(u * u * lam, axis=-1)
@@ -265,7 +341,22 @@ def lowrank_diag_factor(
 
 def identity_factor(kind: str, n: int, rank: int = 0, block_size: int = 128) -> NamedTuple:
     """The identity (Euclidean) whitener of the given kind and width: before the first refresh
-    and the last-resort fallback."""
+    and the last-resort fallback.
+
+    Args:
+      kind: one of :data:`FACTOR_KINDS`.
+      n: the input width (the factor's side).
+      rank: r of the low-rank kinds (the basis is the first r unit vectors); ``rank >= n``
+        gives the dense identity, as :func:`make_factor` builds a dense factor then.
+      block_size: the block width of ``"block_diag"`` (clamped to n).
+
+    Returns:
+      The factor pytree of that kind (the same structure and shapes :func:`make_factor`
+      returns) with W = W⁻¹ = I, fp32.
+
+    Raises:
+      ValueError: an unknown ``kind``.
+    """
     eye = jnp.eye(n, dtype=jnp.float32)
     if kind in ("full_cholesky", "full_symmetric") or (kind.startswith("lowrank") and rank >= n):
         return DenseFactor(w=eye, w_inv=eye)
@@ -289,7 +380,15 @@ def identity_factor(kind: str, n: int, rank: int = 0, block_size: int = 128) -> 
 
 
 def kronecker_factor(left: NamedTuple, right: NamedTuple) -> KroneckerFactor:
-    """Two-sided K-FAC factor from an input-side factor and an output-side factor."""
+    """Two-sided K-FAC factor from an input-side factor and an output-side factor.
+
+    Args:
+      left: the factor of A = E[x xᵀ] (n-wide; acts on axis 0 of G).
+      right: the factor of B = E[δ δᵀ] (m-wide; acts on axis 1 of G).
+
+    Returns:
+      The :class:`KroneckerFactor`, which whitens G (n × m) to W_A · G · W_Bᵀ.
+    """
     return KroneckerFactor(left=left, right=right)
 
 
@@ -315,6 +414,19 @@ def subspace_iteration(
     the range); T = Qᵀ A Q; eigh(T) = V Θ Vᵀ; returns (Q V)[:, top], Θ[top], descending.  Cost
     (iters+2)·(n²·(r+p)) flops from A (or (iters+2)·2·N·n·(r+p) from activations X) + O(n(r+p)²),
     against O(n³) for eigh.  ``init`` (the previous factor's U) warm-starts it.
+
+    Args:
+      matmul: ``Q (n, k) ↦ A·Q (n, k)`` in fp32, for the PSD A (n × n).
+      n: the width of A.
+      rank: r, the number of eigenpairs wanted.
+      key: PRNG key of the Gaussian start Q₀.
+      init: (n, r₀) columns to put first in Q₀ (r₀ ≤ k), or ``None`` for a Gaussian Q₀.
+      oversample: p, extra columns of Q (k = min(r + p, n)).
+      iters: power iterations after the first product (0: the range of A·Q₀ only).
+
+    Returns:
+      ``(U, λ)``: U (n, min(r, k)) with orthonormal columns and λ (min(r, k),), descending,
+      fp32.
     """
     k = min(rank + oversample, n)
     omega = jax.random.normal(key, (n, k), jnp.float32)
@@ -340,7 +452,22 @@ def top_eigenpairs(
     oversample: int = 8,
     iters: int = 2,
 ) -> tuple[jax.Array, jax.Array]:
-    """Top-``rank`` eigenpairs (U (n×r), λ (r,), descending) of the symmetric A (n×n)."""
+    """Top-``rank`` eigenpairs (U (n×r), λ (r,), descending) of the symmetric A (n×n).
+
+    Args:
+      a: A (n × n), symmetrised and cast to fp32 here.
+      rank: r, the number of eigenpairs (at most n are returned).
+      method: ``"eigh"`` (exact, O(n³)) or ``"subspace"`` (:func:`subspace_iteration`).
+      key: PRNG key of ``"subspace"``; ``None`` uses ``jax.random.key(0)``.
+      init: ``"subspace"`` only: warm-start columns (n, r₀), e.g. the previous U, or ``None``.
+      oversample, iters: ``"subspace"`` only, as :func:`subspace_iteration`.
+
+    Returns:
+      ``(U, λ)``: U (n, min(r, n)) and λ (min(r, n),), descending.
+
+    Raises:
+      ValueError: an unknown ``method``.
+    """
     if method not in EIG_METHODS:
         raise ValueError(f"eig_method must be one of {EIG_METHODS}, got {method!r}")
     a = _sym(a)
@@ -399,22 +526,60 @@ def _apply(f: NamedTuple, g: jax.Array, inverse: bool) -> jax.Array:
 
 
 def whiten(factor: NamedTuple, g: jax.Array) -> jax.Array:
-    """W·G on the first (input) axis of the kernel gradient G (n, m); fp32."""
+    """W·G on the first (input) axis of the kernel gradient G (n, m); fp32.
+
+    Args:
+      factor: one matrix's factor (any form of this module, no batch axis; vmap for stacked
+        layers).
+      g: G (n, m), any float dtype (computed in fp32).
+
+    Returns:
+      W·G (n, m), fp32 (W_A · G · W_Bᵀ for a :class:`KroneckerFactor`).
+
+    Raises:
+      TypeError: ``factor`` is not a factor of this module.
+    """
     return _apply(factor, g, inverse=False)
 
 
 def unwhiten(factor: NamedTuple, g: jax.Array) -> jax.Array:
-    """W⁻¹·G on the first (input) axis of G (n, m); fp32."""
+    """W⁻¹·G on the first (input) axis of G (n, m); fp32.
+
+    Args:
+      factor: one matrix's factor (any form of this module, no batch axis).
+      g: G (n, m), e.g. a reduced whitened gradient, any float dtype (computed in fp32).
+
+    Returns:
+      W⁻¹·G (n, m), fp32 (W_A⁻¹ · G · W_B⁻ᵀ for a :class:`KroneckerFactor`).
+
+    Raises:
+      TypeError: ``factor`` is not a factor of this module.
+    """
     return _apply(factor, g, inverse=True)
 
 
 def dense_matrix(factor: NamedTuple, n: int) -> jax.Array:
-    """The dense W (n×n) of a one-sided factor (for tests and diagnostics: O(n²) memory)."""
+    """The dense W (n×n) of a one-sided factor (for tests and diagnostics: O(n²) memory).
+
+    Args:
+      factor: a one-sided factor (not a :class:`KroneckerFactor`), no batch axis.
+      n: its width.
+
+    Returns:
+      W, (n, n) fp32.
+    """
     return whiten(factor, jnp.eye(n, dtype=jnp.float32))
 
 
 def factor_is_finite(factor: NamedTuple) -> jax.Array:
-    """True iff every leaf of the factor is finite."""
+    """True iff every leaf of the factor is finite.
+
+    Args:
+      factor: a factor pytree (any form, stacked or not).
+
+    Returns:
+      A () bool array (traceable: usable under ``jit``).
+    """
     leaves = jax.tree.leaves(factor)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
@@ -482,6 +647,33 @@ def make_factor(
     ``rank >= n`` for the low-rank kinds gives the exact dense factor (``sqrt`` chooses which).
     ``sqrt`` applies to the dense and block forms; low-rank forms are symmetric square roots.
     ``eigenpairs=(U, λ)`` reuses top eigenpairs computed by the caller (low-rank kinds).
+
+    Args:
+      a: the statistic A (n × n), any float dtype (computed in fp32).
+      kind: the factor form, one of :data:`FACTOR_KINDS`.
+      rank: r of the low-rank kinds.
+      damping: the damping coefficient, > 0 (ε as :func:`absolute_damping`).
+      damping_mode: ``"relative"`` (ε = damping · tr(A)/n) or ``"absolute"`` (ε = damping).
+      block_size: the block width of ``"block_diag"``.
+      sqrt: ``"cholesky"`` or ``"symmetric"``: the square root of ``"block_diag"`` and of the
+        dense factor a low-rank kind gives at ``rank >= n`` (``"full_*"`` kinds name theirs).
+      eig_method: ``"eigh"`` or ``"subspace"``, the eigensolver of the low-rank kinds.
+      key: PRNG key of the ``"subspace"`` eigensolver (``None``: ``jax.random.key(0)``).
+      init: warm-start columns (n, r₀) of the ``"subspace"`` eigensolver, or ``None``.
+      oversample, iters: of the ``"subspace"`` eigensolver (:func:`subspace_iteration`).
+      fallback_factor: the multiple of ε of the retry.
+      eigenpairs: ``(U (n, r), λ (r,))``, descending, as :func:`top_eigenpairs` returns
+        them; ``None`` computes them.  Ignored by the non-low-rank kinds and when
+        ``rank >= n``.
+
+    Returns:
+      ``(factor, status)``: the factor pytree (fp32; the identity when ``status`` is 2) and a
+      () int32 status as above; an A whose ε is not positive (e.g. all zeros under relative
+      damping) gets status 2.
+
+    Raises:
+      ValueError: an unknown ``kind``, ``damping <= 0``, an unknown ``damping_mode``, or an
+        unknown ``sqrt`` or ``eig_method`` where it is used.
     """
     if kind not in FACTOR_KINDS:
         raise ValueError(f"factor must be one of {FACTOR_KINDS}, got {kind!r}")

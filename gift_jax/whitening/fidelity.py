@@ -49,35 +49,86 @@ def _f32(x):
 
 
 def relative_l2(approx: jax.Array, ref: jax.Array) -> jax.Array:
-    """‖approx − ref‖₂ / ‖ref‖₂ (Frobenius), fp32."""
+    """‖approx − ref‖₂ / ‖ref‖₂ (Frobenius), fp32.
+
+    Args:
+      approx: the approximate value Ĝ (any shape and float dtype).
+      ref: the reference G, of the same shape.
+
+    Returns:
+      A () fp32 (the denominator is floored at 1e-30).
+    """
     a, r = _f32(approx), _f32(ref)
     return jnp.linalg.norm((a - r).ravel()) / jnp.maximum(jnp.linalg.norm(r.ravel()), _TINY)
 
 
 def cosine(approx: jax.Array, ref: jax.Array) -> jax.Array:
-    """⟨approx, ref⟩ / (‖approx‖‖ref‖), fp32."""
+    """⟨approx, ref⟩ / (‖approx‖‖ref‖), fp32.
+
+    Args:
+      approx: the approximate value Ĝ (any shape and float dtype).
+      ref: the reference G, of the same shape.
+
+    Returns:
+      A () fp32 in [−1, 1] (0 when either is zero).
+    """
     a, r = _f32(approx).ravel(), _f32(ref).ravel()
     return jnp.vdot(a, r) / jnp.maximum(jnp.linalg.norm(a) * jnp.linalg.norm(r), _TINY)
 
 
 def max_abs_error(approx: jax.Array, ref: jax.Array) -> jax.Array:
-    """max |approx − ref|."""
+    """max |approx − ref|.
+
+    Args:
+      approx: the approximate value Ĝ (any shape and float dtype).
+      ref: the reference G, of the same shape.
+
+    Returns:
+      A () fp32, in the units of the gradient.
+    """
     return jnp.max(jnp.abs(_f32(approx) - _f32(ref)))
 
 
 def whitened_relative_l2(approx: jax.Array, ref: jax.Array, factor: NamedTuple) -> jax.Array:
-    """‖W(approx − ref)‖ / ‖W ref‖ for a kernel gradient (n × m) and a whitening factor."""
+    """‖W(approx − ref)‖ / ‖W ref‖ for a kernel gradient (n × m) and a whitening factor.
+
+    Args:
+      approx: the approximate kernel gradient Ĝ (n × m).
+      ref: the reference G (n × m).
+      factor: one layer's whitening factor W (:mod:`gift_jax.whitening.factors`, no batch
+        axis).
+
+    Returns:
+      A () fp32.
+    """
     return relative_l2(wh.whiten(factor, _f32(approx)), wh.whiten(factor, _f32(ref)))
 
 
 def adam_normalise(g: jax.Array, eps: float = 1e-8) -> jax.Array:
-    """g / (|g| + eps): the first Adam step from fresh moments (bias-corrected m̂ = g, v̂ = g²)."""
+    """g / (|g| + eps): the first Adam step from fresh moments (bias-corrected m̂ = g, v̂ = g²).
+
+    Args:
+      g: a gradient (any shape and float dtype).
+      eps: Adam's ε.
+
+    Returns:
+      The normalised gradient, fp32, of ``g``'s shape (|entries| < 1 for ``eps > 0``).
+    """
     g = _f32(g)
     return g / (jnp.abs(g) + eps)
 
 
 def newton_schulz(g: jax.Array, steps: int = 5) -> jax.Array:
-    """Muon's quintic Newton–Schulz approximation of polar(G) for a 2-D G (fp32)."""
+    """Muon's quintic Newton–Schulz approximation of polar(G) for a 2-D G (fp32).
+
+    Args:
+      g: a 2-D G (any float dtype; normalised by its Frobenius norm first).
+      steps: the number of Newton–Schulz iterations (Muon: 5).
+
+    Returns:
+      The estimate of U Vᵀ, fp32, of ``g``'s shape (Muon's coefficients drive the singular
+      values near 1, not exactly to 1).
+    """
     a, b, c = _NS_COEFFS
     x = _f32(g)
     transpose = x.shape[0] > x.shape[1]
@@ -91,7 +142,19 @@ def newton_schulz(g: jax.Array, steps: int = 5) -> jax.Array:
 
 
 def polar(g: jax.Array, method: str = "svd") -> jax.Array:
-    """Orthogonal polar factor U Vᵀ of a 2-D G (``"svd"``) or its Newton–Schulz estimate."""
+    """Orthogonal polar factor U Vᵀ of a 2-D G (``"svd"``) or its Newton–Schulz estimate.
+
+    Args:
+      g: a 2-D G (any float dtype).
+      method: ``"svd"`` (exact, thin SVD) or ``"newton_schulz"`` (:func:`newton_schulz`,
+        5 steps).
+
+    Returns:
+      U Vᵀ, fp32, of ``g``'s shape.
+
+    Raises:
+      ValueError: an unknown ``method``.
+    """
     if method == "newton_schulz":
         return newton_schulz(g)
     if method != "svd":

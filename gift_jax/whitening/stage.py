@@ -202,13 +202,28 @@ class GiftState(NamedTuple):
     def member(self, name: str) -> dict[str, Any]:
         """``{leaf path: that leaf's member name}`` over the leaves where it is not ``None``
         (e.g. ``member("factor")``: every factor; ``member("use_whitening")``: ``{}`` when
-        the stage does not route)."""
+        the stage does not route).
+
+        Args:
+          name: a field of :class:`GiftLeafState` (one of :data:`LEAF_MEMBERS`).
+
+        Returns:
+          A new dict ``{leaf path: value}``, empty when no leaf has that member.
+        """
         return {path: getattr(leaf, name) for path, leaf in self.whitened.items()
                 if getattr(leaf, name) is not None}
 
     def with_members(self, **members: Mapping[str, Any]) -> GiftState:
         """This state with, for each ``name=mapping``, member ``name`` of the leaves in
-        ``mapping`` replaced by its values."""
+        ``mapping`` replaced by its values.
+
+        Args:
+          **members: ``name={leaf path: new value}`` per :class:`GiftLeafState` field; the
+            leaves a mapping does not name keep that member.
+
+        Returns:
+          A new :class:`GiftState` (``self`` is unchanged).
+        """
         whitened = dict(self.whitened)
         for name, values in members.items():
             for path, value in values.items():
@@ -230,7 +245,19 @@ class GiftState(NamedTuple):
         the EMA of ``A = E[xxᵀ]`` lives in the layer's own input coordinates (``n × n``; the
         projection ``M`` is applied when the factor is built, see ``gift_projection``).  The
         factors keep the coordinates' width ``k``: a layer is projected exactly when its
-        statistics are wider than its updates."""
+        statistics are wider than its updates.
+
+        Args:
+          widths: ``{leaf path: n}``, the real input width of every whitened layer (keys =
+            :attr:`layers`).
+
+        Returns:
+          This state with each layer's ``stats`` replaced by zeros ``(B, n, n)``.
+
+        Raises:
+          ValueError: a ``two_sided`` stage's state, or ``widths`` keys other than the whitened
+            layers.
+        """
         if self.member("out_stats"):
             raise ValueError("gift: two_sided whitening cannot take projected coordinates "
                              "(its output-side factor needs the full-width gradient)")
@@ -560,13 +587,34 @@ class Settings:
         return self.eig_method == "subspace" and self.factor.startswith("lowrank")
 
     def select(self, tree: Any) -> dict[str, MatrixView]:
-        """The layouts of the selected leaves of ``tree`` (:func:`select_layers`)."""
+        """The layouts of the selected leaves of ``tree`` (:func:`select_layers`).
+
+        Args:
+          tree: the parameters or per-device updates.
+
+        Returns:
+          ``{leaf path: MatrixView}`` of the selected leaves.
+
+        Raises:
+          ValueError: as :func:`select_layers` (a pattern that selects nothing, or a non-2-D
+            leaf without dimension numbers).
+        """
         return select_layers(tree, self.layers, self.dimension_numbers)
 
     @classmethod
     def build(cls, inner: optax.GradientTransformation, layers: Sequence[str] | str,
               **kwargs: Any) -> Settings:
         """Validated settings; ``kwargs`` are :func:`gift`'s other arguments.
+
+        Args:
+          inner: the wrapped all-reduce stage (any optax transformation).
+          layers: GIFT's layer patterns (a single pattern may be given as a str).
+          **kwargs: every other argument of :func:`gift`, by name, all of them required;
+            ``axis_name=None`` resolves to the inner all-reduce's axis.
+
+        Returns:
+          The frozen :class:`Settings`, with ``inner`` wrapped with extra-args support and the
+          stage as given kept as ``reduce_stage``.
 
         Raises:
           TypeError: ``inner`` is not an optax transformation.
@@ -667,8 +715,18 @@ def init_state(s: Settings, params: Any) -> GiftState:
 def check_stats(name: str, given: Any, want_shapes: Mapping[str, tuple[int, ...]]) -> dict:
     """``given`` as a dict, after checking its keys and shapes against ``want_shapes``.
 
+    Args:
+      name: the argument's name for the messages (``"gift_stats"``, ``"gift_projection"``…).
+      given: what the caller passed, a mapping ``{leaf path: array}``.
+      want_shapes: ``{leaf path: expected shape}``; its keys are exactly the keys ``given``
+        must have.
+
+    Returns:
+      ``given`` as a new ``dict`` (the arrays unchanged).
+
     Raises:
-      ValueError: naming the argument (``gift_stats``…) and the mismatching keys or shape.
+      ValueError: naming the argument (``gift_stats``…) and the mismatching keys or shape, or
+        ``given`` is not a mapping.
     """
     if not isinstance(given, Mapping):
         raise ValueError(f"gift: {name} must be a mapping {{param path: array}}")
@@ -694,8 +752,15 @@ def reduce_ema(s: Settings, given: Mapping[str, jax.Array], old: Mapping[str, ja
     reduced statistic is non-finite keeps its old statistic (the EMA is never poisoned); a
     layer with no statistic yet (zero trace) takes the new one as is.
 
+    Args:
+      s: the stage's settings (``axis_name``, ``ema``).
+      given: the checked local statistics ``{leaf path: batch + (n, n)}`` (any float dtype;
+        reshaped to ``old``'s shape).
+      old: the EMA so far, ``{leaf path: (B, n, n)}`` fp32 (zeros before the first refresh).
+
     Returns:
-      ``(new stats, finite mask (B,) per layer, this step's reduced stats)``.
+      ``(new stats, finite mask (B,) per layer, this step's reduced stats)``, each a dict over
+      the paths of ``given``; the statistics ``(B, n, n)`` fp32.
     """
     new, finite, reduced = {}, {}, {}
     for path, a in given.items():
@@ -715,8 +780,21 @@ def build_factor(s: Settings, a: jax.Array, b_stats: jax.Array | None, proj: jax
     ``proj = M``), its output statistic for two-sided whitening, and the last eigenbasis for
     the warm-started eigensolver.
 
+    Args:
+      s: the stage's settings (factor kind, rank, damping, square root, eigensolver).
+      a: the layer's EMA statistic ``A`` (n × n), fp32.
+      b_stats: the output-side EMA ``E[δδᵀ]`` (m × m) with ``two_sided=True``, else ``None``.
+      proj: the projection ``M`` (n × k) of a layer fed projected coordinates, else ``None``.
+      basis: the last eigenbasis (width × r, width = k when projected, else n) to warm-start
+        the ``"subspace"`` eigensolver, or ``None`` (no basis kept: the eigensolver of
+        :func:`~gift_jax.whitening.make_factor`, if any).
+      key: this matrix's PRNG key for the randomized eigensolver, or ``None``
+        (``eig_method="eigh"``).
+
     Returns:
       ``(factor, status, new basis or None)``; status 1: damped fallback, 2: identity.
+      ``status`` is a () int32 (0: built as asked; two-sided: the worse side's); the new basis
+      is the top eigenvectors (width × r) when ``basis`` was given.
     """
     kw = dict(
         rank=s.rank, damping=s.damping, damping_mode=s.damping_mode, block_size=s.block_size,

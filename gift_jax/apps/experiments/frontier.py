@@ -125,6 +125,19 @@ class Cell:
 
     @classmethod
     def parse(cls, name: str) -> Cell:
+        """The cell of a :attr:`name`.
+
+        Args:
+          name: ``codec/transport/acc-<accumulate>/optimizer``, e.g.
+            ``"fp8_e4m3/gift/acc-fp32/adamw"`` (a record's ``"cell"``).
+
+        Returns:
+          The :class:`Cell`.
+
+        Raises:
+          ValueError: a name without exactly four ``/``-separated parts, or a part outside
+            its allowed values (:data:`CODECS`, :data:`TRANSPORTS`, ...).
+        """
         codec, transport, acc, opt = name.split("/")
         return cls(codec, transport, acc.removeprefix("acc-"), opt)
 
@@ -132,7 +145,16 @@ class Cell:
 def meaningful(cell: Cell) -> bool:
     """Whether a cell is a distinct, runnable setting: error feedback acts only on a
     low-precision codec (the trainer switches it off for fp32), and the FP8 ring emulation
-    takes only the per-tensor FP8 codecs (the all-reduce refuses the others)."""
+    takes only the per-tensor FP8 codecs (the all-reduce refuses the others).
+
+    Args:
+      cell: the grid point.
+
+    Returns:
+      ``False`` for ``ef``/``gift_ef`` on an exact codec (fp32) and for FP8 ring accumulation
+      with a codec that does not support it (``Codec.supports_ring_accumulation``); else
+      ``True``.
+    """
     codec = get_codec(cell.codec)
     if cell.accumulate == "fp8" and not codec.supports_ring_accumulation:
         return False
@@ -142,7 +164,21 @@ def meaningful(cell: Cell) -> bool:
 def cross_product(codecs: Iterable[str] = CODECS, transports: Iterable[str] = TRANSPORTS,
                   accumulations: Iterable[str] = ACCUMULATIONS,
                   optimizers: Iterable[str] = OPTIMIZERS) -> list[Cell]:
-    """Every meaningful cell of the product (plus each cell's reference), sorted."""
+    """Every meaningful cell of the product (plus each cell's reference), sorted.
+
+    Args:
+      codecs: wire formats, from :data:`CODECS`.
+      transports: from :data:`TRANSPORTS`.
+      accumulations: from :data:`ACCUMULATIONS`.
+      optimizers: from :data:`OPTIMIZERS`.
+
+    Returns:
+      The :func:`meaningful` cells and their :attr:`Cell.reference` cells, without repeats,
+      sorted by (codec, transport, accumulate, optimizer) names.
+
+    Raises:
+      ValueError: a value outside its allowed tuple (raised by :class:`Cell`).
+    """
     cells = {Cell(*c) for c in itertools.product(codecs, transports, accumulations, optimizers)}
     cells = {c for c in cells if meaningful(c)}
     return sorted(cells | {c.reference for c in cells})
@@ -174,7 +210,18 @@ SLICES: dict[str, Callable[[], list[Cell]]] = {
 
 
 def slice_cells(names: Sequence[str]) -> list[Cell]:
-    """The cells of the named slices (``all``: every slice), references first, no repeats."""
+    """The cells of the named slices (``all``: every slice), references first, no repeats.
+
+    Args:
+      names: keys of :data:`SLICES`; ``"all"`` among them selects every slice.
+
+    Returns:
+      The cells: the references (:attr:`Cell.is_reference`) first, then the others, each
+      group in the order the slices list them.
+
+    Raises:
+      ValueError: a name that is neither a slice nor ``"all"``.
+    """
     if "all" in names:
         names = list(SLICES)
     unknown = [n for n in names if n not in SLICES]
@@ -231,6 +278,19 @@ def trainer_config(cell: Cell, s: FrontierSettings, seed: int,
     ``adaptive`` within ``[min_refresh_every, max_refresh_every]``) and ``gift.route_frame``
     (``off``: always whiten, the paper's GIFT; ``optimizer`` for ``gift_routed``);
     ``plumage`` sets ``comm.method='plumage'`` with the config's ``plumage.*``.
+
+    Args:
+      cell: the grid point.
+      s: the settings shared by every cell; its ``train`` overrides are applied last (they win
+        over every other field).
+      seed: ``train.seed`` and ``data.shuffle_seed``.
+      base: the loaded ``configs/<s.config>.py`` (completed with the trainer's defaults; not
+        modified).
+
+    Returns:
+      A new config: no checkpoints, diagnostics or output files, a log record every
+      ``min(10, s.steps)`` steps, and ``train.seq_len`` following a ``model.max_seq_len``
+      override.
     """
     config = complete_config(base)
     t = cell.transport
@@ -278,7 +338,26 @@ def run_cell(cell: Cell, s: FrontierSettings, seed: int, source, *,
     (data-parallel over ``devices``, default all) and returns its record (JSON-able):
     ``cell``, ``seed``, the eval curve, the final eval loss, wire bytes per step per device
     (``wire_bytes``: :func:`wire_per_step`; ``wire_bytes_by_variant``), the fp32 ring
-    reference, the number of refresh steps, skipped steps and seconds."""
+    reference, the number of refresh steps, skipped steps and seconds.
+
+    Args:
+      cell: the grid point.
+      s: the shared settings.
+      seed: the init, data-order and sampling seed.
+      source: the token source (:func:`gift_jax.data.get_source`): training batches in the
+        seed's order, validation windows in corpus order.
+      base_config: the loaded ``configs/<s.config>.py`` (:func:`trainer_config`'s ``base``).
+      devices: the data-parallel devices; ``None``: all of the host's.
+
+    Returns:
+      The record: ``cell``, ``seed``, ``eval_steps``, ``eval_loss`` (every ``s.eval_every``
+      steps and at the last step), ``final_eval``, ``wire_bytes``, ``wire_bytes_by_variant``,
+      ``wire_fp32_reference``, ``refreshes``, ``skipped_steps``, ``devices``, ``seconds``
+      (compile + train + eval) and ``settings`` (``s.asdict()``).
+
+    Raises:
+      FloatingPointError: a non-finite final eval loss.
+    """
     from gift_jax.training.loop import Trainer
 
     config = trainer_config(cell, s, seed, base_config)
@@ -314,7 +393,16 @@ def wire_per_step(record: dict) -> float:
     """Mean wire bytes per step per device of a run from its *actual* refreshes:
     ``ordinary + (refreshes / steps) · (refresh − ordinary)`` with the two variants' HLO bytes
     (the trainer's summary weights them by the nominal ``1/K``, which an adaptive schedule
-    does not keep)."""
+    does not keep).
+
+    Args:
+      record: a :func:`run_cell` record (``wire_bytes_by_variant``, ``refreshes`` and
+        ``settings["steps"]`` are read).
+
+    Returns:
+      Bytes per step per device; the ordinary variant's bytes when the run has no refresh
+      variant.
+    """
     by = record["wire_bytes_by_variant"]
     ordinary = by["ordinary"]
     if "refresh" not in by:
@@ -324,7 +412,16 @@ def wire_per_step(record: dict) -> float:
 
 
 def record_path(out: str | os.PathLike, cell: Cell, seed: int) -> pathlib.Path:
-    """``out/records/<codec>/<transport>/acc-<acc>/<optimizer>/seed<seed>.json``."""
+    """``out/records/<codec>/<transport>/acc-<acc>/<optimizer>/seed<seed>.json``.
+
+    Args:
+      out: the grid's output folder.
+      cell: the grid point.
+      seed: the run's seed.
+
+    Returns:
+      The record's path (nothing is created).
+    """
     return pathlib.Path(out, "records", cell.name, f"seed{seed}.json")
 
 
@@ -334,7 +431,24 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, o
              log: Callable[[str], None] | None = print) -> list[dict]:
     """Every cell × seed (references first), each written to :func:`record_path` as soon as
     it finishes; a record already there with the same settings and device count is reused
-    (the grid resumes where it stopped). Returns the records."""
+    (the grid resumes where it stopped). Returns the records.
+
+    Args:
+      cells: the grid points; repeats are dropped, the references (:attr:`Cell.is_reference`)
+        run first, the others in the given order.
+      seeds: the seeds every cell runs with.
+      s: the shared settings.
+      out: the output folder (records under ``out/records``, written atomically).
+      source: the token source; ``None``: ``get_source("shakespeare")``.
+      base_config: the base config; ``None``: ``load_config(s.config, configs_dir)``.
+      configs_dir: the folder of the config files (read only without ``base_config``).
+      log: called with one progress line per run it trains (not for reused records);
+        ``None``: silent.
+
+    Returns:
+      The records (:func:`run_cell`), cell by cell in run order, each cell's seeds in the
+      order of ``seeds``, reused ones included.
+    """
     if source is None:
         from gift_jax.data import get_source
 
@@ -367,7 +481,16 @@ def run_grid(cells: Sequence[Cell], seeds: Sequence[int], s: FrontierSettings, o
 
 
 def load_records(out: str | os.PathLike, settings: FrontierSettings | None = None) -> list[dict]:
-    """Every record under ``out/records`` (with ``settings``: only those run with them)."""
+    """Every record under ``out/records`` (with ``settings``: only those run with them).
+
+    Args:
+      out: the grid's output folder.
+      settings: keep only the records whose ``settings`` equal ``settings.asdict()``;
+        ``None``: every record.
+
+    Returns:
+      The records, in sorted path order.
+    """
     paths = sorted(pathlib.Path(out, "records").rglob("seed*.json"))
     recs = [json.loads(p.read_text()) for p in paths]
     if settings is not None:
@@ -380,7 +503,16 @@ def load_records(out: str | os.PathLike, settings: FrontierSettings | None = Non
 
 def t_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
     """``(mean, sd, lo, hi)`` of paired differences: ``mean ± t_{(1+level)/2, n−1}·sd/√n``
-    (``sd`` with ``n − 1``); ``lo = hi = mean`` for a single difference (no interval)."""
+    (``sd`` with ``n − 1``); ``lo = hi = mean`` for a single difference (no interval).
+
+    Args:
+      diffs: the paired differences ``d_s`` (at least one).
+      level: the interval's confidence level.
+
+    Returns:
+      ``(mean, sd, lo, hi)`` as floats; with a single difference ``sd``, ``lo`` and ``hi``
+      are NaN.
+    """
     from scipy import stats
 
     d = np.asarray(diffs, dtype=np.float64)
@@ -399,7 +531,18 @@ def _by_seed(records: Sequence[dict], name: str) -> dict[int, dict]:
 def paired_difference(records: Sequence[dict], a: Cell | str, b: Cell | str,
                       level: float = 0.95) -> dict:
     """``L_a(s) − L_b(s)`` over the seeds both have: ``n``, ``mean``, ``sd``, ``lo``, ``hi``,
-    ``distinguishable`` (the interval excludes 0) and ``per_seed``."""
+    ``distinguishable`` (the interval excludes 0) and ``per_seed``.
+
+    Args:
+      records: :func:`run_cell` records (``cell``, ``seed`` and ``final_eval`` are read).
+      a, b: the two cells, as :class:`Cell` or :attr:`Cell.name`.
+      level: the interval's confidence level (:func:`t_interval`).
+
+    Returns:
+      The dict above, ``per_seed`` mapping seed to ``L_a − L_b``; ``{"n": 0}`` when no seed
+      has both cells. With one seed ``sd``, ``lo`` and ``hi`` are NaN and ``distinguishable``
+      is ``False``.
+    """
     a, b = (x.name if isinstance(x, Cell) else x for x in (a, b))
     ra, rb = _by_seed(records, a), _by_seed(records, b)
     seeds = sorted(set(ra) & set(rb))
@@ -416,7 +559,19 @@ def summarize(records: Sequence[dict], level: float = 0.95) -> list[dict]:
     """One row per cell: wire bytes per step per device (mean over seeds), its ratio to the
     fp32 ring reference, the final eval loss (mean ± sd), the paired gap to the reference
     cell (:func:`paired_difference`), the reference's own seed spread ``ref_sd`` and the mean
-    number of refresh steps. Rows in :data:`CODECS` × :data:`TRANSPORTS` order."""
+    number of refresh steps. Rows in :data:`CODECS` × :data:`TRANSPORTS` order.
+
+    Args:
+      records: :func:`run_cell` records of any cells and seeds.
+      level: the confidence level of the gaps' intervals.
+
+    Returns:
+      One dict per cell: ``cell``, the :class:`Cell` fields, ``n`` (seeds), ``wire_bytes``,
+      ``wire_ratio``, ``loss``, ``loss_sd`` and ``ref_sd`` (NaN with fewer than two seeds),
+      ``refreshes`` and ``gap`` (:func:`paired_difference` to :attr:`Cell.reference`;
+      ``{"n": 0}`` when the reference was not run). Sorted by optimizer, accumulation,
+      transport (:data:`TRANSPORTS` order), then codec (:data:`CODECS` order).
+    """
     names = sorted({r["cell"] for r in records},
                    key=lambda n: (Cell.parse(n).optimizer, Cell.parse(n).accumulate,
                                   TRANSPORTS.index(Cell.parse(n).transport),
@@ -452,7 +607,15 @@ def _fmt_gap(g: dict) -> tuple[str, str, str]:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The markdown table of :func:`summarize`'s rows."""
+    """The markdown table of :func:`summarize`'s rows.
+
+    Args:
+      rows: :func:`summarize`'s rows.
+
+    Returns:
+      The table, without a trailing newline; reference cells show the gap
+      ``0 (reference)``.
+    """
     lines = [
         "| optimizer | accumulate | transport | codec | wire MB/step/device | × fp32 | "
         "final eval loss | gap to fp32 (mean ± sd) | paired 95% interval | beyond seed noise? "
@@ -478,7 +641,17 @@ COMPARISONS = (("gift", "euclidean"), ("gift_adaptive", "gift"), ("gift_routed",
 def transport_comparisons(records: Sequence[dict], level: float = 0.95) -> list[dict]:
     """Paired differences ``L_a(s) − L_b(s)`` between transports of :data:`COMPARISONS` at
     the same codec, accumulation and optimizer, wherever both cells were run: negative means
-    ``a`` ends lower than ``b`` on the same seeds."""
+    ``a`` ends lower than ``b`` on the same seeds.
+
+    Args:
+      records: :func:`run_cell` records.
+      level: the intervals' confidence level.
+
+    Returns:
+      One dict per pair found: ``codec``, ``accumulate``, ``optimizer``, ``a``, ``b`` (the
+      transports) and :func:`paired_difference`'s keys; ordered by the ``a`` cell's name,
+      then by :data:`COMPARISONS`.
+    """
     names = {r["cell"] for r in records}
     rows = []
     for name in sorted(names):
@@ -495,7 +668,14 @@ def transport_comparisons(records: Sequence[dict], level: float = 0.95) -> list[
 
 
 def format_comparisons(rows: Sequence[dict]) -> str:
-    """The markdown table of :func:`transport_comparisons`."""
+    """The markdown table of :func:`transport_comparisons`.
+
+    Args:
+      rows: :func:`transport_comparisons`'s rows.
+
+    Returns:
+      The table, without a trailing newline.
+    """
     lines = ["| optimizer | accumulate | codec | a − b | mean ± sd | paired 95% interval | "
              "beyond seed noise? | n |", "|---|---|---|---|---|---|---|---:|"]
     for r in rows:
@@ -514,7 +694,16 @@ _MARKERS = {"euclidean": "o", "ef": "s", "gift": "^", "gift_adaptive": "v", "gif
 def plot_frontier(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> pathlib.Path:
     """The Pareto plot: x = wire bytes per step per device (log), y = paired loss gap to fp32
     (mean, error bar = the paired 95 % interval), one panel per (optimizer, accumulation),
-    marker = transport, colour = codec; filled markers are distinguishable from seed noise."""
+    marker = transport, colour = codec; filled markers are distinguishable from seed noise.
+
+    Args:
+      rows: :func:`summarize`'s rows (cells without a gap to their reference are left out).
+      path: the image file (format from its suffix); missing parent folders are created.
+      title: the figure's title; empty: none.
+
+    Returns:
+      ``path`` as a :class:`pathlib.Path`.
+    """
     import matplotlib
     import matplotlib.ticker
 

@@ -133,6 +133,15 @@ class CompareSettings:
         return LlamaConfig.from_mapping(dict(self.model))
 
     def replace(self, **kw) -> CompareSettings:
+        """A copy with the given fields replaced (``dataclasses.replace``).
+
+        Args:
+          **kw: new field values; ``model`` may be a dict of ``LlamaConfig`` fields, stored as
+            its sorted ``(name, value)`` pairs (the settings stay hashable).
+
+        Returns:
+          The new :class:`CompareSettings`.
+        """
         if "model" in kw and isinstance(kw["model"], dict):
             kw["model"] = tuple(sorted(kw["model"].items()))
         return dataclasses.replace(self, **kw)
@@ -150,9 +159,18 @@ def dense_mask() -> Callable[[Any], Any]:
 def projection_table(params: Any, rank: int, mask: Any = None) -> list[dict]:
     """Which leaves a rank-``rank`` low-rank method projects, and how.
 
-    Returns one row per leaf: ``path``, ``shape``, ``projected`` (bool), and for projected
-    leaves ``side`` (``reduction`` = input axis of the Flax kernel), ``m`` (projected side),
-    ``n`` and ``rank``; dense leaves get ``reason`` (``1-D``, ``masked``, ``rank >= min side``).
+    Args:
+      params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``, e.g.
+        :func:`gift_jax.models.param_shapes`).
+      rank: the projection rank ``k`` of every leaf.
+      mask: which leaves may be projected: a pytree of bools like ``params`` or a callable
+        returning one; ``None``: :func:`dense_mask`.
+
+    Returns:
+      One row per leaf: ``path``, ``shape``, ``projected`` (bool), and for projected
+      leaves ``side`` (``reduction`` = input axis of the Flax kernel), ``m`` (projected side),
+      ``n`` and ``rank``; dense leaves get ``reason`` (``1-D``, ``masked``,
+      ``rank >= min side``).
     """
     mask = dense_mask() if mask is None else mask
     layouts = resolve_layouts(params, rank, None, mask)
@@ -185,7 +203,15 @@ def _schedule(peak: float, s: CompareSettings) -> optax.Schedule:
 def adam_scaled(s: CompareSettings) -> Callable[[optax.Schedule], optax.GradientTransformation]:
     """``schedule →`` full-rank Adam whose update is scaled by GaLore's α on the leaves the
     low-rank methods project (the k → min-side limit of GaLore): the trainer's
-    ``update_rule`` of method ``adam_scaled``."""
+    ``update_rule`` of method ``adam_scaled``.
+
+    Args:
+      s: the settings (``b1``, ``b2``, ``eps`` and ``scale`` are read).
+
+    Returns:
+      ``rule(schedule)``: Adam's scaling, ``× s.scale`` on the leaves :func:`dense_mask`
+      selects for projection, then the learning rate ``schedule``.
+    """
 
     def rule(schedule: optax.Schedule) -> optax.GradientTransformation:
         return optax.chain(
@@ -198,7 +224,22 @@ def adam_scaled(s: CompareSettings) -> Callable[[optax.Schedule], optax.Gradient
 
 
 def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.GradientTransformation:
-    """The optimizer of ``method`` under settings ``s`` (clipping → method → learning rate)."""
+    """The optimizer of ``method`` under settings ``s`` (clipping → method → learning rate).
+
+    Args:
+      method: one of :data:`METHODS`.
+      s: the settings: the method's peak learning rate and schedule, Adam's hyperparameters,
+        ``clip`` (0: no clipping) and, for the low-rank methods, ``rank``,
+        ``refresh_every`` and ``scale``.
+      seed: the projector's sampling seed (low-rank methods; unused by ``adam`` and
+        ``adam_scaled``).
+
+    Returns:
+      The chained transformation.
+
+    Raises:
+      ValueError: an unknown ``method``.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     clip = [optax.clip_by_global_norm(s.clip)] if s.clip > 0 else []
@@ -225,7 +266,21 @@ def make_optimizer(method: str, s: CompareSettings, seed: int = 0) -> optax.Grad
 
 
 def optax_galore(rank: int, refresh_every: int, scale: float, lr: float = 1.0, b2: float = 0.999):
-    """``optax.contrib.galore`` with the same dense leaves as ours (embedding, head, 1-D)."""
+    """``optax.contrib.galore`` with the same dense leaves as ours (embedding, head, 1-D).
+
+    Args:
+      rank: the projection rank.
+      refresh_every: ``update_proj_gap``: steps between the projector's SVD refreshes.
+      scale: GaLore's α on the back-projected update.
+      lr: the (constant) learning rate.
+      b2: the second-moment decay of the base ``optax.scale_by_adam`` (its other
+        hyperparameters are optax's defaults).
+
+    Returns:
+      The transformation; 2-D leaves outside
+      :data:`~gift_jax.training.optimizers.DENSE_PATTERNS` are projected with
+      ``GaLoreDimensionNumbers(0, 1)``, every other leaf is dense.
+    """
 
     def dims(params):
         def f(path, x):
@@ -268,7 +323,27 @@ def trainer_config(method: str, s: CompareSettings, seed: int,
                    base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The trainer config of one run: ``base`` (``configs/base.py``) with the settings ``s``,
     ``fp32`` communication, and ``comm.method='plumage'`` (projector, realignment) for the
-    low-rank methods. ``seed`` is the parameter init, the data order and the sampling key."""
+    low-rank methods. ``seed`` is the parameter init, the data order and the sampling key.
+
+    Args:
+      method: one of :data:`METHODS`.
+      s: the comparison settings (model, batch, schedule, Adam, clipping, evaluation, data
+        source, and the low-rank methods' rank, refresh interval and scale).
+      seed: ``train.seed`` and ``data.shuffle_seed``.
+      base: the loaded ``configs/base.py`` (completed with the trainer's defaults; not
+        modified).
+
+    Returns:
+      A new config: AdamW without weight decay at ``s.lr_adam`` (``adam``) or
+      ``s.lr_lowrank`` (every other method), a log record every step, no checkpoints,
+      diagnostics or output files; the low-rank methods project :data:`PROJECTED_PATTERNS`.
+      ``adam_scaled`` also needs :func:`adam_scaled` as the trainer's ``update_rule``
+      (:func:`train_run`).
+
+    Raises:
+      ValueError: an unknown ``method``, or ``eval_batches · eval_batch`` not a multiple of
+        ``batch``.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if (s.eval_batches * s.eval_batch) % s.batch:
@@ -326,7 +401,25 @@ def train_run(
 ) -> RunResult:
     """Trains the Llama of ``s`` with ``method`` on one device with the library's trainer
     (:class:`gift_jax.training.Trainer`: the step, schedule and clipping of
-    ``scripts/train.py``); the compiled program is shared by the seeds of a method."""
+    ``scripts/train.py``); the compiled program is shared by the seeds of a method.
+
+    Args:
+      method: one of :data:`METHODS`.
+      s: the comparison settings.
+      seed: the init, data-order and sampling seed.
+      source: the token source (:func:`gift_jax.data.get_source`): training batches in the
+        seed's order, validation windows in corpus order.
+      base_config: the loaded ``configs/base.py``.
+      log: called with one progress line per evaluation; ``None``: silent.
+
+    Returns:
+      The :class:`RunResult`: the training loss of every step, the eval loss every
+      ``s.eval_every`` steps and at the last step, and the trainer's train + eval seconds.
+
+    Raises:
+      ValueError: as :func:`trainer_config`.
+      FloatingPointError: a non-finite final eval loss.
+    """
     config = trainer_config(method, s, seed, base_config)
     rule = _RULES.setdefault(s, adam_scaled(s)) if method == "adam_scaled" else None
     trainer = Trainer(config, batches=_source_batches(source), eval_split="validation",
@@ -361,7 +454,19 @@ def run_comparison(
     log: Callable[[str], None] | None = print,
 ) -> list[RunResult]:
     """Every method × every seed (``base_config``: ``configs/base.py``, which the settings
-    override); returns the runs in that order."""
+    override); returns the runs in that order.
+
+    Args:
+      s: the comparison settings.
+      methods: from :data:`METHODS`, run in this order.
+      seeds: the seeds of every method.
+      base_config: the loaded ``configs/base.py``.
+      source: the token source; ``None``: ``get_source(s.data)``.
+      log: called with progress lines (per evaluation and per run); ``None``: silent.
+
+    Returns:
+      The :class:`RunResult` of every (method, seed), method-major.
+    """
     if source is None:
         from gift_jax.data import get_source
 
@@ -383,8 +488,18 @@ def _lr_field(method: str) -> str:
 def load_runs(path: str, s: CompareSettings, methods: Sequence[str]) -> list[RunResult]:
     """Runs of ``methods`` from a ``results.json`` written by ``scripts/lowrank_compare.py``.
 
-    Raises ``ValueError`` unless the saved settings equal ``s`` in every field that the run
-    depends on (all fields but the *other* family's learning rate).
+    Args:
+      path: the ``results.json`` file.
+      s: the settings the runs must have been made with.
+      methods: the methods whose runs are taken.
+
+    Returns:
+      Their :class:`RunResult` objects, method by method in the order of ``methods``.
+
+    Raises:
+      ValueError: unless the saved settings equal ``s`` in every field that the run
+        depends on (all fields but the *other* family's learning rate); or when the file
+        holds no run of one of ``methods``.
     """
     import json
 
@@ -414,6 +529,17 @@ def summarize(results: Sequence[RunResult]) -> dict:
     every seed has all three) for X in plumage, plumage_norealign, flora and each full-rank
     baseline present (``adam``, ``adam_scaled``). It is meaningful only when GaLore is worse
     than the baseline (``galore_minus_base > 0``).
+
+    Args:
+      results: runs of any methods and seeds (of two runs with the same method and seed,
+        the later one counts).
+
+    Returns:
+      A dict with ``"methods"``: ``{method: {"mean", "std", "n", "per_seed"}}`` (``std`` 0
+      for a single seed, ``per_seed`` ``{seed: final eval loss}``), and ``"gap_closed"``:
+      ``{base: {X: {"of_means", "per_seed", "galore_minus_base"}}}`` (``of_means`` NaN when
+      GaLore's mean equals the base's, ``per_seed`` a list of ratios); bases and X without
+      runs, or all of them when GaLore has none, are left out of ``gap_closed``.
     """
     by: dict[str, dict[int, float]] = {}
     for r in results:
@@ -447,7 +573,16 @@ def summarize(results: Sequence[RunResult]) -> dict:
 
 
 def format_compare_markdown(summary: dict, s: CompareSettings) -> str:
-    """A markdown table of the summary."""
+    """A markdown table of the summary.
+
+    Args:
+      summary: :func:`summarize`'s output.
+      s: the settings (unused).
+
+    Returns:
+      The per-method table in :data:`METHODS` order, then per full-rank baseline the
+      gap-closed table and the GaLore − baseline difference; no trailing newline.
+    """
     lines = [
         "| method | final eval loss (mean ± std) | n | per seed |",
         "|---|---|---|---|",
@@ -475,7 +610,14 @@ def format_compare_markdown(summary: dict, s: CompareSettings) -> str:
 
 
 def plot_curves(results: Sequence[RunResult], path: str, *, smooth: int = 20) -> None:
-    """Train loss (moving average, mean over seeds) and eval loss (mean ± std) per method."""
+    """Train loss (moving average, mean over seeds) and eval loss (mean ± std) per method.
+
+    Args:
+      results: the runs; the seeds of a method must share their steps (their curves are
+        averaged element by element).
+      path: the image file (format from its suffix).
+      smooth: the moving average's window, in logged steps (at most the curve's length).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -513,7 +655,15 @@ def _bytes(tree) -> int:
 
 
 def state_bytes(tx: optax.GradientTransformation, params: Any) -> int:
-    """Bytes of ``tx.init(params)`` from ``jax.eval_shape`` (no allocation)."""
+    """Bytes of ``tx.init(params)`` from ``jax.eval_shape`` (no allocation).
+
+    Args:
+      tx: the optimizer.
+      params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
+
+    Returns:
+      The total bytes of the optimizer state's leaves.
+    """
     return _bytes(jax.eval_shape(tx.init, params))
 
 
@@ -522,6 +672,14 @@ def state_memory_table(config_paths: Sequence[str]) -> list[dict]:
 
     Rank, refresh interval and scale are each config's ``plumage`` group; embedding, head and
     1-D leaves dense in every low-rank method. ``params`` counts the fp32 parameter bytes.
+
+    Args:
+      config_paths: paths of config files (e.g. ``configs/llama_60m.py``).
+
+    Returns:
+      One row per config: ``config`` (the file's stem), ``rank``, ``params``,
+      ``projected_leaves``, ``leaves``, and the state bytes ``adam``, ``optax_galore``,
+      ``ours_galore``, ``ours_plumage`` and ``ours_flora``.
     """
     rows = []
     for path in config_paths:
@@ -591,6 +749,23 @@ def time_updates(
       at a count that does not refresh;
     * ``optax.contrib.galore`` at ``count % τ != 0`` (ordinary) and ``count % τ == 0``
       (refresh).
+
+    Args:
+      d_model, d_ff: the blocks' widths.
+      layers: the number of blocks.
+      rank: the projection rank of every optimizer.
+      refresh_every: the refresh interval τ of every optimizer.
+      repeats: N of the ordinary steps.
+      seed: key of the random parameters (the gradients are 1e-3 × the parameters).
+      strategies: the projectors of ours (``plumage``, ``galore``, ``flora``); the
+        ``lax.cond`` variant is timed for all but ``flora``.
+      include_optax: also time ``optax.contrib.galore``.
+      refresh_repeats: N of the refresh steps.
+
+    Returns:
+      One row per case: ``optimizer`` (e.g. ``ours[plumage]``, ``ours[galore] (lax.cond)``,
+      ``optax.contrib.galore``), ``step`` (``ordinary`` or ``refresh``) and ``seconds``
+      (best of N).
     """
     key = jax.random.PRNGKey(seed)
     params = {

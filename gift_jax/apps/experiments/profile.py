@@ -76,7 +76,22 @@ def _rel(a, r):
 def layer_metrics(g: jax.Array, scale: jax.Array, codec: str, metric_factor: Any,
                   gift_factor: Any = None, gift_scale: jax.Array | None = None) -> dict:
     """Saturation / underflow / round-trip errors of one layer's replica gradients ``g``
-    (R, n, m) quantized with the (stale) per-tensor ``scale``."""
+    (R, n, m) quantized with the (stale) per-tensor ``scale``.
+
+    Args:
+      g: the R replicas' kernel gradients, (R, n, m).
+      scale: the stale per-tensor scale every replica quantizes with (a scalar).
+      codec: the codec's name (a per-tensor format, e.g. ``fp8_e5m2``).
+      metric_factor: the input-side factor of the whitened-frame error (the full factor of
+        the step's own A).
+      gift_factor: GIFT's factor of the layer; ``None``: no GIFT metrics.
+      gift_scale: the stale per-tensor scale of the whitened gradients (needed with
+        ``gift_factor``).
+
+    Returns:
+      Host scalars ``saturation``, ``flushed``, ``subnormal``, ``rt_euclidean``,
+      ``rt_whitened`` and, with ``gift_factor``, ``rt_gift`` and ``gift_saturation``.
+    """
     c = get_codec(codec)
     fmax = c.fmax
     tiny = float(ml_dtypes.finfo(c.element_dtype).smallest_normal)
@@ -134,6 +149,26 @@ def profile_layers(
 
     The trainer is advanced (AdamW, exact gradients) to each checkpoint and through each
     window; checkpoints must be increasing and at least ``window`` apart.
+
+    Args:
+      trainer: the experiment trainer, at or before the first checkpoint.
+      checkpoints: the steps s at which a window starts.
+      window: the steps for which step s's synced scales and GIFT factors are reused.
+      stride: profile every ``stride``-th step of a window.
+      codec: the wire format.
+      replicas: R, the simulated replicas.
+      local_batch: sequences per replica.
+      patterns: the profiled layers (default: every ``*_proj`` and ``lm_head``).
+      gift_rank: r of GIFT's ``lowrank_diag`` factor.
+      damping: the relative damping of every factor.
+      verbose: print each window's time.
+
+    Returns:
+      The dict above, the metrics those of :func:`layer_metrics`.
+
+    Raises:
+      ValueError: checkpoints that do not increase by at least ``window``, or a checkpoint
+        the trainer has already passed.
     """
     ck = list(checkpoints)
     if any(b - a < window for a, b in zip(ck, ck[1:], strict=False)) or ck != sorted(ck):
@@ -173,7 +208,15 @@ def profile_layers(
 def rank_layers(profile: dict[str, dict[str, float]],
                 candidates: Sequence[str] | None = None) -> list[str]:
     """Kernel paths sorted by vulnerability: saturation, then underflow, then round-trip error
-    (all descending); restricted to paths matching ``candidates`` patterns if given."""
+    (all descending); restricted to paths matching ``candidates`` patterns if given.
+
+    Args:
+      profile: one checkpoint's ``{kernel path: metrics}`` (:func:`profile_layers`).
+      candidates: path patterns; ``None``: every path.
+
+    Returns:
+      The kernel paths, most vulnerable first.
+    """
     paths = [p for p in profile if candidates is None or matches(p, candidates)]
     return sorted(paths, key=lambda p: (-profile[p]["saturation"],
                                         -(profile[p]["flushed"] + profile[p]["subnormal"]),
@@ -181,13 +224,32 @@ def rank_layers(profile: dict[str, dict[str, float]],
 
 
 def module_pattern(kernel_path: str) -> str:
+    """The module path of a kernel path, as GIFT's ``layers`` patterns name it.
+
+    Args:
+      kernel_path: a ``'/'``-joined leaf path.
+
+    Returns:
+      The path without a trailing ``/kernel`` (any other path as it is).
+    """
     return kernel_path[: -len("/kernel")] if kernel_path.endswith("/kernel") else kernel_path
 
 
 def selection_snippet(selections: dict[int, list[str]], first: int, codec: str,
                       window: int, command: str = "") -> str:
     """A Python config snippet: ``GIFT_LAYERS`` (the first checkpoint's top-n, as the artifact
-    profiles the start of training) and the selection at every checkpoint."""
+    profiles the start of training) and the selection at every checkpoint.
+
+    Args:
+      selections: ``{checkpoint step: selected kernel paths}`` (:func:`profile_markdown`).
+      first: the checkpoint whose selection becomes ``GIFT_LAYERS``.
+      codec: the profiled codec (for a comment).
+      window: the steps the synced scales were reused (for a comment).
+      command: the command line that made it (for a comment); empty: none.
+
+    Returns:
+      The module's source, the selections as module paths (:func:`module_pattern`).
+    """
     lines = [
         '"""GIFT layer selection from scripts/profile_layers.py (generated; do not edit)."""',
         "",
@@ -205,7 +267,18 @@ def selection_snippet(selections: dict[int, list[str]], first: int, codec: str,
 
 def profile_markdown(result: dict[int, dict[str, dict[str, float]]], top_n: int,
                      candidates: Sequence[str] | None, codec: str) -> tuple[str, dict]:
-    """Markdown tables (per checkpoint, ranked) + the selection overlap table."""
+    """Markdown tables (per checkpoint, ranked) + the selection overlap table.
+
+    Args:
+      result: :func:`profile_layers`'s output.
+      top_n: the size of each checkpoint's selection.
+      candidates: the patterns the selection is restricted to; ``None``: every layer.
+      codec: the profiled codec (for the headings).
+
+    Returns:
+      ``(markdown, selections)``: the text, ending in a newline, and ``{checkpoint step:
+      its top_n kernel paths}``; overlaps are with the first checkpoint's selection.
+    """
     out = []
     selections = {}
     cols = ["rank", "layer", "saturation", "flushed", "subnormal", "rt_euclidean",
@@ -235,6 +308,13 @@ def profile_markdown(result: dict[int, dict[str, dict[str, float]]], top_n: int,
 
 
 def plot_profile(result: dict[int, dict[str, dict[str, float]]], path: str) -> None:
+    """Bars per layer of the saturation, subnormal fraction and Euclidean round-trip error,
+    one bar per checkpoint (layers in the first checkpoint's order).
+
+    Args:
+      result: :func:`profile_layers`'s output.
+      path: the image file (format from its suffix).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,10 +359,30 @@ def bench_gift_step(
     """Seconds per call of the GIFT-FP8 stage vs the plain FP8 all-reduce, both inside
     ``jax.shard_map`` over the mesh's ``data`` axis, in the same run.
 
-    ``shapes``: ``{path: shape}`` of the gradient tree (nested by '/' is not needed: a flat dict
-    whose keys are the paths).  Returns best-of-``repeats`` times of the Euclidean step, the
-    GIFT ordinary step and the GIFT refresh step, and the ratios (refresh amortised over
-    ``refresh_every``).
+    Args:
+      shapes: ``{path: shape}`` of the gradient tree (nested by '/' is not needed: a flat dict
+        whose keys are the paths); each device gets its own random gradient (standard
+        deviation 1e-3) of every shape, and selected shapes are 2-D (in, out).
+      layers: GIFT's layer patterns (:func:`gift_jax.whitening.stage.select_layers`).
+      rank: r of the low-rank factors.
+      codec: the all-reduce's wire format.
+      factor: the factor kind (:data:`gift_jax.whitening.FACTOR_KINDS`).
+      eig_method: the refresh's eigensolver, ``"eigh"`` or ``"subspace"``.
+      refresh_every: K, over which the refresh step is amortised.
+      repeats: calls per variant, best taken; the refresh variant gets ``repeats // 2`` (at
+        least 1).
+      mesh: a mesh with a ``data`` axis; ``None``: every device on one ``data`` axis.
+      seed: key of the random gradients and input statistics.
+
+    Returns:
+      ``devices``, ``platform``, the best-of-``repeats`` seconds of the Euclidean step, the
+      GIFT ordinary step and the GIFT refresh step (``euclidean_s``, ``gift_s``,
+      ``gift_refresh_s``), and the ratios ``gift_over_euclidean``, ``refresh_over_euclidean``
+      and ``amortised_over_euclidean`` (refresh amortised over ``refresh_every``).
+
+    Raises:
+      ValueError: a pattern of ``layers`` that selects no path (from
+        :func:`~gift_jax.whitening.stage.select_layers`).
     """
     import optax
     from jax.sharding import NamedSharding
@@ -365,6 +465,23 @@ def gift_flops(
     of the eigenvectors), or subspace iteration ``(iters+2)·2n²(r+p) + (iters+1)·4n(r+p)²``,
     plus the thin SVD of the n×r matrix of the diagonal-remainder form ``≈ 14nr²``.
     ``model_params`` gives the ratio to the training FLOPs ``6·params·tokens``.
+
+    Args:
+      n, m: the kernel's input and output widths.
+      rank: r of the factor.
+      layers: the number of whitened layers (all n×m).
+      refresh_every: K, over which a refresh is amortised.
+      tokens_per_device: N, the local tokens of a step.
+      model_params: the model's parameter count; ``None`` (or 0): no ratios.
+      factor: ignored (the counts are ``lowrank_diag``'s).
+      oversample: p, the subspace iteration's oversampling.
+      iters: the subspace iteration's iterations.
+
+    Returns:
+      ``step_flops``, ``refresh_stats_flops``, ``refresh_eigh_flops``,
+      ``refresh_subspace_flops``, ``amortised_eigh_flops``, ``amortised_subspace_flops`` and,
+      with ``model_params``, ``train_flops`` and the ratios ``step_over_train``,
+      ``amortised_eigh_over_train`` and ``amortised_subspace_over_train``.
     """
     del factor
     k = rank + oversample
@@ -387,6 +504,14 @@ def gift_flops(
 
 
 def cost_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of :func:`bench_gift_step`'s results.
+
+    Args:
+      rows: :func:`bench_gift_step`'s dicts, each with a ``case`` label added.
+
+    Returns:
+      The table, ending in a newline.
+    """
     cols = ["case", "devices", "euclidean_s", "gift_s", "gift_refresh_s", "gift_over_euclidean",
             "refresh_over_euclidean", "amortised_over_euclidean"]
     titles = {"euclidean_s": "FP8 step (s)", "gift_s": "GIFT-FP8 step (s)",

@@ -172,7 +172,17 @@ class Trainer:
 
     def batch(self, global_batch: int, step: int, stream: int = 0) -> np.ndarray:
         """int32 [global_batch, seq_len + 1] training batch ``step`` of stream ``stream``
-        (stream 0 at the training batch size is the batch the trainer steps on)."""
+        (stream 0 at the training batch size is the batch the trainer steps on).
+
+        Args:
+          global_batch: sequences in the batch.
+          step: the batch's index in its stream.
+          stream: 0: the training order; any other value offsets the data seed by
+            ``7919·stream`` (another order, e.g. the replica captures' stream 1).
+
+        Returns:
+          The token windows, ``seq_len + 1`` tokens each (inputs and next-token targets).
+        """
         from gift_jax.data import batch_iterator
 
         it = batch_iterator(self.source, "train", global_batch, self.seq_len,
@@ -180,7 +190,12 @@ class Trainer:
         return np.asarray(next(it), np.int32)
 
     def advance(self, steps: int, verbose: bool = False) -> None:
-        """Run ``steps`` optimizer steps (never past ``schedule_steps``)."""
+        """Run ``steps`` optimizer steps (never past ``schedule_steps``).
+
+        Args:
+          steps: the number of steps; ``<= 0`` does nothing.
+          verbose: print the loss of every step that is a multiple of ``log_every``.
+        """
         if steps <= 0:
             return
         logged = len(self.run.history)
@@ -214,7 +229,18 @@ def make_replica_fn(graphdef, layers: Sequence[str], replicas: int, *,
     Per replica: ``A_r`` from :func:`gift_jax.whitening.capture.with_input_stats`; with
     ``output_stats`` both sides from :func:`gift_jax.whitening.capture.kfac_value_and_grad` in
     one backward pass, ``B_r`` the per-token ``N·Σ_t δ_t δ_tᵀ`` of the local mean loss over its
-    N = b·T tokens."""
+    N = b·T tokens.
+
+    Args:
+      graphdef: the model's ``nnx`` graph definition (:attr:`Trainer.graphdef`).
+      layers: patterns of the captured ``nnx.Linear`` layers.
+      replicas: R; the token batch is split into R equal local batches, in order.
+      output_stats: also capture ``B_r`` (``ReplicaCapture.b``, empty otherwise).
+
+    Returns:
+      The jitted function; it raises ``ValueError`` (at trace time) for a batch whose size
+      is not a multiple of R.
+    """
     layers = tuple(layers)
 
     def local(params, tokens):
@@ -245,7 +271,18 @@ def make_replica_fn(graphdef, layers: Sequence[str], replicas: int, *,
 
 def capture_replicas(trainer: Trainer, fn: Callable, global_batch: int,
                      stream: int = 1) -> ReplicaCapture:
-    """Run ``fn`` (from :func:`make_replica_fn`) on capture batch ``trainer.step``."""
+    """Run ``fn`` (from :func:`make_replica_fn`) on capture batch ``trainer.step``.
+
+    Args:
+      trainer: the experiment trainer (its current step and parameters).
+      fn: from :func:`make_replica_fn`.
+      global_batch: ``R · local batch`` sequences.
+      stream: the batch stream (:meth:`Trainer.batch`); the default 1 is independent of the
+        training batches.
+
+    Returns:
+      The :class:`ReplicaCapture`, computed (blocked on).
+    """
     tokens = trainer.batch(global_batch, trainer.step, stream=stream)
     return jax.block_until_ready(fn(trainer.params, jnp.asarray(tokens)))
 
@@ -256,13 +293,30 @@ def capture_replicas(trainer: Trainer, fn: Callable, global_batch: int,
 
 
 def tensor_scale(x: jax.Array, codec) -> jax.Array:
-    """Per-tensor scale ``amax(x)/fmax`` (1 for zero, NaN for non-finite), as the codec."""
+    """Per-tensor scale ``amax(x)/fmax`` (1 for zero, NaN for non-finite), as the codec.
+
+    Args:
+      x: the tensor, any shape.
+      codec: a codec name or :class:`~gift_jax.comm.codecs.Codec`.
+
+    Returns:
+      The fp32 scale.
+    """
     codec = get_codec(codec)
     return leaf_scale_from_amax(abs_max(x.reshape(-1)), codec)
 
 
 def tensor_quantize(x: jax.Array, codec, scale: jax.Array) -> jax.Array:
-    """Decode(encode(x)) with one given fp32 scale for the whole tensor (saturating)."""
+    """Decode(encode(x)) with one given fp32 scale for the whole tensor (saturating).
+
+    Args:
+      x: the tensor, any shape.
+      codec: a codec name or :class:`~gift_jax.comm.codecs.Codec`.
+      scale: the scale of every element (a scalar).
+
+    Returns:
+      The decoded fp32 values, of ``x``'s shape.
+    """
     codec = get_codec(codec)
     flat = x.astype(jnp.float32).reshape(-1)
     b = codec.row_size
@@ -299,6 +353,27 @@ def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str =
     do not depend on the bucket layout. ``tests/test_experiments_gift.py`` compares it with
     :func:`gift_jax.quantized_psum` in ``jax.shard_map`` (``global_scale=True``, both
     ``accumulate`` modes): equal up to the fp32 summation order.
+
+    Args:
+      xs: the replicas' values, (R, …).
+      codec: the wire format's name.
+      accumulate: ``"fp32"`` (the decoded values summed in fp32) or ``"fp8"`` (the ring: the
+        running sum re-quantized after every hop with one shared scale).
+      global_scale: one sender scale for every replica (the max of theirs), as ``"fp8"``
+        always has.
+      local_err: (R, …) error-feedback buffer, added to ``xs`` first; ``None``: none.
+      shard_err: (…) error-feedback buffer, added to the mean before it is re-quantized;
+        ``None``: none.
+      scales: (R,) the senders' scales, in place of the computed ones (and of
+        ``global_scale``); ``None``: computed from ``xs``.
+
+    Returns:
+      :class:`AllReduceResult`: ``mean`` (the decoded mean), ``local_err`` (``x_r − Q(x_r)``
+      of the inputs with the previous buffer added) and ``shard_err`` (``mean − Q(mean)``),
+      the next step's buffers.
+
+    Raises:
+      ValueError: ``accumulate`` other than ``"fp32"`` or ``"fp8"``.
     """
     if accumulate not in ("fp32", "fp8"):
         raise ValueError(f"accumulate must be 'fp32' or 'fp8', got {accumulate!r}")
@@ -346,6 +421,17 @@ class Method:
 
 def default_methods(ranks: Iterable[int] = (8, 16, 32, 64),
                     remainder: str = "diag") -> tuple[Method, ...]:
+    """The frames of Table I/II (:data:`DEFAULT_METHODS` with the default arguments).
+
+    Args:
+      ranks: the ranks r of the low-rank rows, one row each.
+      remainder: ``"diag"``: top-r eigenpairs + diagonal remainder (``lowrank_diag``, the
+        artifact's); anything else: isotropic remainder (``lowrank_isotropic``).
+
+    Returns:
+      Euclidean, output-side only, input-side full, two-sided full, diagonal, block-128, and
+      the rank-r rows, in this order.
+    """
     lr = "lowrank_diag" if remainder == "diag" else "lowrank_isotropic"
     return (
         Method("Euclidean", "euclidean"),
@@ -369,7 +455,22 @@ def _stack(d: dict[str, jax.Array], paths: Sequence[str]) -> jax.Array:
 def build_factors(method: Method, a: jax.Array | None, b: jax.Array | None, *,
                   damping: float = 1e-3, damping_mode: str = "relative") -> Any:
     """Stacked factor (leading layer axis) of ``method`` from stacked means ``a`` (L, n, n) and
-    ``b`` (L, m, m); ``None`` for the Euclidean frame."""
+    ``b`` (L, m, m); ``None`` for the Euclidean frame.
+
+    Args:
+      method: the frame (static).
+      a: (L, n, n) mean input second moments (only their shape for ``"output"``; may be
+        ``None`` for ``"euclidean"``).
+      b: (L, m, m) mean output-gradient second moments, read by ``"output"`` and
+        ``"two_sided"`` only.
+      damping: ε, relative to tr/n (``damping_mode="relative"``) or absolute.
+      damping_mode: ``"relative"`` or ``"absolute"``.
+
+    Returns:
+      ``None`` (``"euclidean"``), the input-side factor of ``method.factor`` (``"input"``),
+      or a :class:`~gift_jax.whitening.KroneckerFactor` of the input side (the identity for
+      ``"output"``) and the full Cholesky factor of ``b``.
+    """
     kw = dict(damping=damping, damping_mode=damping_mode)
 
     def one(mat, kind, rank=32, block=128):
@@ -434,7 +535,17 @@ METRIC_TITLES = {
 
 
 def pool(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, float]:
-    """Pool per-layer ingredients (dicts of (L,) arrays, one per layer stack) into metrics."""
+    """Pool per-layer ingredients (dicts of (L,) arrays, one per layer stack) into metrics.
+
+    Args:
+      parts: one step's ingredient dicts (``err2``, ``ref2``, ``dot``, ``app2``, ``maxabs``,
+        ``werr2``, ``wref2``, ``aerr2``, ``aref2``, ``muon``), one per layer stack.
+
+    Returns:
+      The :data:`METRICS`: ``rel_l2``, ``cosine``, ``whitened`` and ``adam`` pooled over
+      every layer (ratios of summed squares), ``max_abs`` the max over the layers, ``muon``
+      the mean over the layers.
+    """
     cat = {k: np.concatenate([np.asarray(p[k], np.float64) for p in parts]) for k in parts[0]}
     return {
         "rel_l2": math.sqrt(cat["err2"].sum() / cat["ref2"].sum()),
@@ -492,8 +603,23 @@ def evaluate_method(
 
     The factor is built from the capture at index ``factor_step`` (a refresh) and reused for
     every step; the metric frame of each step is the full input-side factor of that step's own
-    ``Ā``.  Returns ``{"steps": [metrics per step], "mean": metrics averaged over steps,
-    "cum_rel_l2": ‖Σ_t(Ĝ_t − G_t)‖/‖Σ_t G_t‖}``.
+    ``Ā``.
+
+    Args:
+      captures: the captured steps, consecutive, with the same layers.
+      paths: the kernel paths measured (layers of one shape are stacked).
+      method: the frame.
+      codec: the wire format.
+      accumulate: ``"fp32"`` or ``"fp8"`` (:func:`simulate_allreduce`).
+      global_scale: one shared sender scale (with fp32 accumulation).
+      error_feedback: carry both error-feedback buffers from step to step (in the frame's
+        coordinates).
+      factor_step: the index in ``captures`` of the capture the factor is built from.
+      damping: the relative damping of the frame's and of the metric frame's factors.
+
+    Returns:
+      ``{"steps": [metrics per step], "mean": metrics averaged over steps,
+      "cum_rel_l2": ‖Σ_t(Ĝ_t − G_t)‖/‖Σ_t G_t‖}``, the metrics those of :func:`pool`.
     """
     groups = _shape_groups(paths, captures[0].grads)
     ref_cap = captures[factor_step]
@@ -528,7 +654,15 @@ def evaluate_method(
 
 
 def group_paths(capture: ReplicaCapture, patterns: Sequence[str]) -> list[str]:
+    """The kernel paths of a capture that match ``patterns``.
 
+    Args:
+      capture: a :class:`ReplicaCapture`.
+      patterns: layer patterns (:func:`gift_jax.utils.tree_paths.matches`).
+
+    Returns:
+      The matching paths, in the capture's order.
+    """
     return [p for p in capture.grads if matches(p, patterns)]
 
 
@@ -549,6 +683,17 @@ def _fmt(x: float) -> str:
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
                    titles: dict[str, str] | None = None) -> str:
+    """A markdown table; numbers as integers where integral (and ≥ 1 in magnitude), with 4
+    decimals in [0.01, 100), else in scientific notation; strings as they are.
+
+    Args:
+      rows: one dict per row, holding every column.
+      columns: the keys shown, in order.
+      titles: the header of a key; ``None`` or a missing key: the key itself.
+
+    Returns:
+      The table, without a trailing newline.
+    """
     titles = titles or {}
     head = "| " + " | ".join(titles.get(c, c) for c in columns) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
@@ -571,7 +716,27 @@ def train_and_capture(
     trainer: Trainer | None = None,
 ) -> tuple[Trainer, list[ReplicaCapture]]:
     """Train ``train_steps`` steps, then capture ``capture_steps`` consecutive steps of R
-    replicas (the optimizer keeps stepping with the exact gradient in between)."""
+    replicas (the optimizer keeps stepping with the exact gradient in between).
+
+    Args:
+      config: the training config (e.g. ``configs/tiny.py``).
+      train_steps: the optimizer steps before the first capture.
+      capture_steps: the number of consecutive captured steps.
+      replicas: R.
+      local_batch: sequences per replica.
+      layers: patterns of the captured layers.
+      output_stats: also capture the output side ``B_r`` (:func:`make_replica_fn`).
+      seed: the init and data-order seed; ``None``: the config's ``train.seed``.
+      log_every: the trainer's log interval; the logged losses are printed when > 0.
+      schedule_steps: the learning-rate schedule's length; ``None``: the larger of
+        ``train_steps + capture_steps`` and the config's ``train.num_steps``.
+      trainer: a trainer to continue from its current step (``config``, ``seed`` and
+        ``schedule_steps`` are then unused); ``None``: a new one.
+
+    Returns:
+      ``(trainer, captures)``: the trainer at the last captured step and one
+      :class:`ReplicaCapture` per captured step.
+    """
     if trainer is None:
         trainer = Trainer(config, seed=seed, log_every=log_every,
                           schedule_steps=schedule_steps or max(train_steps + capture_steps,
@@ -601,6 +766,22 @@ def roundtrip_experiment(
     Rows carry the step-0 metrics (the one-step round trip of Table I/II: no error feedback
     can act yet) under ``"step0"``, the mean over the captured steps under ``"mean"`` and the
     cumulative error of the sum over the steps under ``"cum_rel_l2"``.
+
+    Args:
+      captures: consecutive captured steps (:func:`train_and_capture`); the factors are
+        built from the first.
+      groups: ``{group name: layer patterns}``; ``None``: :data:`DEFAULT_GROUPS`.
+      methods: the frames.
+      codecs: the wire formats.
+      accumulations: ``"fp32"`` and/or ``"fp8"``.
+      error_feedback: the error-feedback settings; ``True`` is skipped with a single capture.
+      damping: the relative damping of the factors.
+      verbose: print the time of each (group, codec, accumulation, error feedback).
+
+    Returns:
+      One row per combination: ``group``, ``codec``, ``accumulate``, ``error_feedback``,
+      ``method`` (its name), ``layers`` (their number), ``step0`` and ``mean`` (metrics of
+      :func:`pool`) and ``cum_rel_l2``.
     """
     groups = dict(groups or DEFAULT_GROUPS)
     rows = []
@@ -626,7 +807,18 @@ def roundtrip_experiment(
 
 
 def first_replicas(capture: ReplicaCapture, replicas: int) -> ReplicaCapture:
-    """The capture as if only its first ``replicas`` replicas had run (same local batch)."""
+    """The capture as if only its first ``replicas`` replicas had run (same local batch).
+
+    Args:
+      capture: a :class:`ReplicaCapture` of R replicas.
+      replicas: how many to keep, in ``[1, R]``.
+
+    Returns:
+      The truncated :class:`ReplicaCapture`.
+
+    Raises:
+      ValueError: ``replicas`` outside ``[1, R]``.
+    """
     if not 1 <= replicas <= capture.loss.shape[0]:
         raise ValueError(f"replicas={replicas} must lie in [1, {capture.loss.shape[0]}] (the "
                          "captured replicas)")
@@ -688,7 +880,16 @@ def replica_sweep_experiment(
 def replica_sweep_markdown(rows: Sequence[dict[str, Any]],
                            metrics: Sequence[str] = ("rel_l2", "whitened", "adam")) -> str:
     """Per (group, codec, accumulation): each frame's step-0 error at every ``R``, and the
-    change against Euclidean at the same ``R``."""
+    change against Euclidean at the same ``R``.
+
+    Args:
+      rows: :func:`replica_sweep_experiment`'s rows.
+      metrics: keys of the step-0 metrics (:data:`METRICS`); one table line per frame and
+        metric.
+
+    Returns:
+      One heading and table per (group, codec, accumulation), ending in a newline.
+    """
     counts = sorted({r["replicas"] for r in rows})
     out = []
     keys = sorted({(r["group"], r["codec"], r["accumulate"]) for r in rows})
@@ -717,7 +918,12 @@ def replica_sweep_markdown(rows: Sequence[dict[str, Any]],
 
 def plot_replica_sweep(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Relative L2 error against ``R`` (log-log), one panel per (group, codec), a line per
-    (frame, accumulation): a colour per frame, solid for the FP8 ring, dashed for fp32 sums."""
+    (frame, accumulation): a colour per frame, solid for the FP8 ring, dashed for fp32 sums.
+
+    Args:
+      rows: :func:`replica_sweep_experiment`'s rows.
+      path: the image file (format from its suffix).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -765,7 +971,29 @@ def staleness_experiment(
     """Error vs steps since the factor refresh: the factor is built at the first offset
     (``trainer.step`` now) and reused at ``step + k``; the same step with a fresh factor is the
     reference.  ``windows`` K: mean stale error over the offsets ``k < K`` (a refresh every K
-    steps sees k = 0..K−1)."""
+    steps sees k = 0..K−1).
+
+    Args:
+      trainer: the experiment trainer; it is advanced to ``trainer.step + max(offsets)``.
+      offsets: the sampled k (sorted, repeats dropped; not negative).
+      windows: the refresh intervals K of the summary.
+      replicas: R.
+      local_batch: sequences per replica.
+      patterns: the measured layers.
+      methods: the frames; ``None`` (or empty): Euclidean, rank-32 A (``lowrank_diag``) and
+        input-side full A.
+      codec: the wire format.
+      accumulate: ``"fp32"`` or ``"fp8"``.
+      damping: the relative damping of the factors.
+      verbose: print the progress at each offset.
+
+    Returns:
+      ``offsets`` (the sampled k), ``curves`` (per method name, the per-offset metrics
+      ``"stale"`` and ``"fresh"``), ``summary`` (per method and K: ``points`` and the means
+      over the offsets k < K of ``<metric>_stale`` and ``<metric>_fresh`` for ``rel_l2``,
+      ``whitened``, ``adam`` and ``muon``), ``start_step``, ``codec``, ``accumulate`` and
+      ``layers``.
+    """
     methods = methods or (Method("Euclidean", "euclidean"),
                           Method("rank-32 A", "input", "lowrank_diag", rank=32),
                           Method("input-side full A", "input", "full_cholesky"))
@@ -877,9 +1105,29 @@ def refresh_schedule_experiment(
     steps of its excess error with the input coverage ratio and with the gradient coverage
     ratio ``‖BᵀSG‖²/‖SG‖²`` of the step's mean gradient (:func:`_gradient_coverage`).
 
-    Returns the per-step whitened error of every schedule, its refresh steps, and per schedule
-    ``mean`` (mean whitened error), ``ratio`` (mean / fresh's mean), ``worst_ratio`` (max over
-    steps of error / fresh's error) and ``refreshes``.
+    Args:
+      trainer: the experiment trainer; it advances ``steps − 1`` steps.
+      steps: the number of measured steps.
+      fixed: the fixed intervals K.
+      thresholds: the adaptive rule's thresholds τ.
+      min_every, max_every: the adaptive rule's interval bounds.
+      rank: r of the ``lowrank_diag`` factor.
+      replicas: R.
+      local_batch: sequences per replica.
+      patterns: the measured layers.
+      codec: the wire format.
+      accumulate: ``"fp32"`` or ``"fp8"``.
+      damping: the relative damping of the factors.
+      verbose: print every schedule's error every 10 steps.
+
+    Returns:
+      The per-step whitened error of every schedule, its refresh steps, and per schedule
+      ``mean`` (mean whitened error), ``ratio`` (mean / fresh's mean), ``worst_ratio`` (max
+      over steps of error / fresh's error) and ``refreshes``: the keys ``errors`` and
+      ``refresh_steps`` (by schedule name: ``fresh``, ``K=k``, ``adaptive τ``), ``summary``
+      (one row per schedule), ``correlations`` (per fixed-K schedule, ``input`` and
+      ``gradient``), and ``start_step``, ``steps``, ``codec``, ``accumulate``, ``rank``,
+      ``min_every``, ``max_every``, ``layers``.
     """
     method = Method(f"rank-{rank} A", "input", "lowrank_diag", rank=rank)
     fn = make_replica_fn(trainer.graphdef, patterns, replicas)
@@ -946,7 +1194,15 @@ def refresh_schedule_experiment(
 
 
 def refresh_schedule_markdown(res: dict[str, Any]) -> str:
-    """The schedules' table: refreshes, mean whitened-frame error, and its ratio to fresh."""
+    """The schedules' table: refreshes, mean whitened-frame error, and its ratio to fresh.
+
+    Args:
+      res: :func:`refresh_schedule_experiment`'s output.
+
+    Returns:
+      A heading, the table and, when there are fixed-K schedules, the staleness signals'
+      correlation table.
+    """
     head = (f"\n#### Refresh schedules — rank-{res['rank']} A, steps {res['start_step']}.."
             f"{res['start_step'] + res['steps'] - 1} ({res['layers']} layers, {res['codec']}, "
             f"{res['accumulate']} accumulation; adaptive within [{res['min_every']}, "
@@ -965,7 +1221,12 @@ def refresh_schedule_markdown(res: dict[str, Any]) -> str:
 
 
 def plot_refresh_schedules(res: dict[str, Any], path: str) -> None:
-    """Whitened-frame error per step of every schedule (refreshes marked)."""
+    """Whitened-frame error per step of every schedule (refreshes marked).
+
+    Args:
+      res: :func:`refresh_schedule_experiment`'s output.
+      path: the image file (format from its suffix).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -997,7 +1258,14 @@ def plot_refresh_schedules(res: dict[str, Any], path: str) -> None:
 
 def roundtrip_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: one-step Table I/II per (group, codec) with fp32 accumulation; then the
-    accumulation × error-feedback summary (mean over steps, plus the cumulative error)."""
+    accumulation × error-feedback summary (mean over steps, plus the cumulative error).
+
+    Args:
+      rows: :func:`roundtrip_experiment`'s rows.
+
+    Returns:
+      The headings and tables, ending in a newline.
+    """
     out = []
     cols = ["method", *METRICS]
     keys = sorted({(r["group"], r["codec"]) for r in rows}, key=lambda k: (k[0], k[1]))
@@ -1024,6 +1292,14 @@ def roundtrip_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def staleness_markdown(res: dict[str, Any]) -> str:
+    """Markdown: the staleness summary, stale against fresh error per frame and window K.
+
+    Args:
+      res: :func:`staleness_experiment`'s output.
+
+    Returns:
+      A heading and the table, ending in a newline.
+    """
     cols = ["method", "K", "points"]
     for metric in ("rel_l2", "whitened", "adam", "muon"):
         cols += [f"{metric}_stale", f"{metric}_fresh"]
@@ -1037,6 +1313,15 @@ def staleness_markdown(res: dict[str, Any]) -> str:
 
 
 def plot_roundtrip(rows: Sequence[dict[str, Any]], path: str, codec: str = "fp8_e4m3") -> None:
+    """Bars of the one-step round trip (fp32 accumulation, no error feedback): a row of
+    panels per layer group, a panel per metric (relative L2, whitened-frame, Adam, Muon), a
+    bar per frame.
+
+    Args:
+      rows: :func:`roundtrip_experiment`'s rows.
+      path: the image file (format from its suffix).
+      codec: the codec whose rows are drawn.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1066,6 +1351,13 @@ def plot_roundtrip(rows: Sequence[dict[str, Any]], path: str, codec: str = "fp8_
 
 
 def plot_staleness(res: dict[str, Any], path: str) -> None:
+    """Error against steps since the refresh (relative L2, whitened-frame, Adam update): a
+    line per frame with the stale factor, dashed with a fresh one (not for Euclidean).
+
+    Args:
+      res: :func:`staleness_experiment`'s output.
+      path: the image file (format from its suffix).
+    """
     import matplotlib
 
     matplotlib.use("Agg")

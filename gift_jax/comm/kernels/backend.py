@@ -47,7 +47,17 @@ DEFAULT_DEVICE_KIND = {"gpu": "NVIDIA H100", "tpu": "TPU v5"}
 
 
 def resolve_backend(backend: str) -> str:
-    """Validate a ``backend`` setting; returns it unchanged."""
+    """Validate a ``backend`` setting; returns it unchanged.
+
+    Args:
+      backend: the setting, one of :data:`BACKENDS` (``"auto"``, ``"xla"``, ``"pallas"``).
+
+    Returns:
+      ``backend``.
+
+    Raises:
+      ValueError: any other value.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed values: {BACKENDS}")
     return backend
@@ -77,6 +87,21 @@ def export_kernel(kind: str, codec: Codec, avals, platform: str, *,
 
     Only the custom-call serialization checks are disabled (a kernel's custom call has no
     cross-version compatibility guarantee, which does not matter for a lowering check).
+
+    Args:
+      kind: a kernel of :data:`~gift_jax.comm.kernels.quantize.KERNELS`: ``"quantize"`` or
+        ``"dequantize_accumulate"``.
+      codec: the wire format.
+      avals: the kernel's positional arguments as ``jax.ShapeDtypeStruct`` s (``None`` for
+        an absent scale or random bits): ``(x, leaf_scale, rand_bits)`` or
+        ``(payload, row_scale, leaf_scale)``.
+      platform: ``"gpu"`` or ``"tpu"``.
+      device_kind: the chip (a ``device_kind`` such as ``"NVIDIA H100"``), or ``None``; it is
+        ignored where the mesh in context already names its devices' chip.
+      **static: further static keyword arguments of the kernel (``block_rows``, ``debug``).
+
+    Returns:
+      The ``jax.export.Exported`` kernel; a kernel that does not lower raises.
     """
     fn = functools.partial(KERNELS[kind][0], codec=codec, platform=platform, **static)
     checks = [jax.export.DisabledSafetyCheck.custom_call(t)
@@ -131,7 +156,20 @@ def lowering_error(kind: str, codec: Codec, args, platform: str,
     this host's or :data:`DEFAULT_DEVICE_KIND`) on arguments shaped like ``args``, else the
     reason (cached per combination). Builds means compiles where a compiler for the chip is
     at hand (this host's own platform; any TPU when libtpu is installed: Mosaic), else lowers
-    through ``jax.export``."""
+    through ``jax.export``.
+
+    Args:
+      kind: ``"quantize"`` or ``"dequantize_accumulate"``.
+      codec: the wire format.
+      args: the kernel's positional arguments (arrays or ``jax.ShapeDtypeStruct`` s, ``None``
+        for absent ones); only their shapes and dtypes matter.
+      platform: ``"gpu"``, ``"tpu"`` or ``"interpret"``.
+      device_kind: the chip, or ``None`` (see above).
+
+    Returns:
+      ``None`` when the kernel builds, else ``"<exception type>: <first line>"`` (at most 300
+      characters).
+    """
     return _build_error(kind, codec, tuple(_aval(a) for a in args), platform, device_kind)
 
 
@@ -139,7 +177,26 @@ _warned: set = set()
 
 
 def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = None) -> str:
-    """``"pallas"`` or ``"xla"`` for one call of kernel ``kind`` (see the module docstring)."""
+    """``"pallas"`` or ``"xla"`` for one call of kernel ``kind`` (see the module docstring).
+
+    Args:
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+      kind: ``"quantize"`` or ``"dequantize_accumulate"``.
+      codec: the wire format.
+      args: the call's positional arguments (``None`` for absent ones), whose shapes and
+        dtypes the build check of ``"auto"`` uses.
+      platform: the kernel platform to decide for, or ``None``: the target of the program
+        being traced (:func:`target_device`); another platform than the target is checked for
+        this host's chip or :data:`DEFAULT_DEVICE_KIND`.
+
+    Returns:
+      ``backend`` itself for ``"xla"`` and ``"pallas"``; for ``"auto"``, ``"pallas"`` where
+      the kernel builds on a GPU/TPU target with every mesh axis in context manual, else
+      ``"xla"`` (with one ``RuntimeWarning`` per kernel, codec and platform).
+
+    Raises:
+      ValueError: an unknown ``backend``.
+    """
     resolve_backend(backend)
     target, device_kind = target_device()
     if platform is None:
@@ -171,7 +228,20 @@ def choose(backend: str, kind: str, codec: Codec, args, platform: str | None = N
 
 def quantize(x, codec: Codec, leaf_scale=None, rand_bits=None, *, backend: str = "auto"):
     """Quantize ``x: f32[rows, B]`` (see
-    :func:`gift_jax.comm.kernels.quantize.quantize_reference`)."""
+    :func:`gift_jax.comm.kernels.quantize.quantize_reference`).
+
+    Args:
+      x, leaf_scale, rand_bits: as :func:`~gift_jax.comm.kernels.quantize.quantize_reference`.
+      codec: the wire format.
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (:func:`choose`).
+
+    Returns:
+      ``(payload u8[rows, row_bytes], row_scale [rows, 1] | None)``, the same bits on either
+      path.
+
+    Raises:
+      ValueError: an unknown ``backend``.
+    """
     kernel, reference = KERNELS["quantize"]
     args = (x, leaf_scale, rand_bits)
     if choose(backend, "quantize", codec, args) == "xla":
@@ -181,7 +251,20 @@ def quantize(x, codec: Codec, leaf_scale=None, rand_bits=None, *, backend: str =
 
 def dequantize_accumulate(payload, codec: Codec, row_scale=None, leaf_scale=None, *,
                           backend: str = "auto"):
-    """Fixed-order fp32 sum of ``N`` received chunks (see the reference's docstring)."""
+    """Fixed-order fp32 sum of ``N`` received chunks (see the reference's docstring).
+
+    Args:
+      payload, row_scale, leaf_scale: as
+        :func:`~gift_jax.comm.kernels.quantize.dequantize_accumulate_reference`.
+      codec: the wire format.
+      backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (:func:`choose`).
+
+    Returns:
+      ``f32[rows, B]``, the same bits on either path.
+
+    Raises:
+      ValueError: an unknown ``backend``.
+    """
     kernel, reference = KERNELS["dequantize_accumulate"]
     args = (payload, row_scale, leaf_scale)
     if choose(backend, "dequantize_accumulate", codec, args) == "xla":

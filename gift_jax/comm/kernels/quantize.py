@@ -66,7 +66,18 @@ def tile_rows(rows: int, row_size: int, platform: str, block_rows: int | None = 
     """Rows per program: a power of two of about ``TILE_ELEMENTS[platform]`` elements (or
     ``block_rows``), or all rows when there are fewer (rounded up to a power of two on GPU,
     where Triton tiles must be one). The grid is ``ceil(rows / tile)``: nothing is padded;
-    the last tile is masked on GPU and clipped by Pallas elsewhere."""
+    the last tile is masked on GPU and clipped by Pallas elsewhere.
+
+    Args:
+      rows: rows of the ``[rows, B]`` buffer.
+      row_size: ``B``, elements per row.
+      platform: ``"gpu"``, ``"tpu"`` or ``"interpret"``.
+      block_rows: rows per program to aim for (rounded down to a power of two), or ``None``:
+        ``TILE_ELEMENTS[platform] // row_size``.
+
+    Returns:
+      The rows per program.
+    """
     target = block_rows or max(1, TILE_ELEMENTS[platform] // row_size)
     target = 1 << (target.bit_length() - 1)
     if rows >= target:
@@ -132,7 +143,18 @@ def _column_slices(width: int, n: int) -> list[slice]:
 
 
 def quantize_reference(x, codec: Codec, leaf_scale=None, rand_bits=None):
-    """``x: f32[rows, B]`` → ``(payload u8[rows, row_bytes], row_scale [rows, 1] | None)``."""
+    """``x: f32[rows, B]`` → ``(payload u8[rows, row_bytes], row_scale [rows, 1] | None)``.
+
+    Args:
+      x: the row buffer (``B = codec.row_size``).
+      codec: the wire format.
+      leaf_scale: ``f32[rows, 1]``, the scale of each row's leaf (required when
+        ``codec.has_leaf_scale``), or ``None``.
+      rand_bits: ``u32[rows, B]`` random bits for stochastic rounding, or ``None``.
+
+    Returns:
+      ``(payload, row_scale)`` of :func:`gift_jax.comm.codecs.encode_rows`.
+    """
     return encode_rows(x, codec, leaf_scale, rand_bits)
 
 
@@ -141,7 +163,20 @@ def quantize_pallas(x, leaf_scale, rand_bits, *, codec: Codec, platform: str,
                     block_rows: int | None = None, debug: bool = False):
     """Pallas version of :func:`quantize_reference` (same arguments; ``None`` allowed).
 
-    ``debug=True`` makes Pallas print the kernel's jaxpr and lowered module while lowering.
+    Args:
+      x, leaf_scale, rand_bits: as :func:`quantize_reference` (``None`` for an absent leaf
+        scale or random bits).
+      codec: the wire format (static).
+      platform: ``"interpret"``, ``"gpu"`` or ``"tpu"`` (static): the lowering.
+      block_rows: rows per program to aim for (:func:`tile_rows`), or ``None``.
+      debug: ``True`` makes Pallas print the kernel's jaxpr and lowered module while
+        lowering.
+
+    Returns:
+      ``(payload, row_scale)``, bit for bit those of :func:`quantize_reference`.
+
+    Raises:
+      ValueError: an unknown ``platform``.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r} is not supported; allowed values: {PLATFORMS}")
@@ -196,8 +231,15 @@ def quantize_pallas(x, leaf_scale, rand_bits, *, codec: Codec, platform: str,
 def dequantize_accumulate_reference(payload, codec: Codec, row_scale=None, leaf_scale=None):
     """``Σ_n decode(payload[n])`` in fp32, summed in order ``n = 0 … N−1``.
 
-    ``payload: u8[N, rows, row_bytes]``, ``row_scale: [N, rows, 1] | None``,
-    ``leaf_scale: f32[N, rows, 1] | None`` → ``f32[rows, B]``.
+    Args:
+      payload: ``u8[N, rows, row_bytes]``, the ``N`` received chunks.
+      codec: the wire format.
+      row_scale: ``[N, rows, 1]``, the chunks' row scales as they travelled, or ``None``.
+      leaf_scale: ``f32[N, rows, 1]``, the leaf scale of every row of every chunk, or
+        ``None``.
+
+    Returns:
+      ``f32[rows, B]``.
     """
     acc = None
     for n in range(payload.shape[0]):
@@ -220,6 +262,17 @@ def dequantize_accumulate_pallas(payload, row_scale, leaf_scale, *, codec: Codec
     Each program loads its row tile of chunk ``n`` for ``n = 0 … N−1`` (one load per byte
     plane and scale, nothing held beyond the running sum) and stores the sum once. The chunk
     loop is unrolled: ``N`` is the data-axis size, so the kernel's code grows with it.
+
+    Args:
+      payload, row_scale, leaf_scale: as :func:`dequantize_accumulate_reference` (``None``
+        for an absent scale).
+      codec, platform, block_rows, debug: as :func:`quantize_pallas`.
+
+    Returns:
+      ``f32[rows, B]``, bit for bit that of :func:`dequantize_accumulate_reference`.
+
+    Raises:
+      ValueError: an unknown ``platform``.
     """
     if platform not in PLATFORMS:
         raise ValueError(f"platform={platform!r} is not supported; allowed values: {PLATFORMS}")

@@ -37,7 +37,20 @@ S = jax.ShapeDtypeStruct
 
 def traffic(kind: str, codec: Codec, num_chunks: int = 1,
             stochastic: bool = False) -> tuple[float, float]:
-    """``(bytes read, bytes written)`` per element for one kernel call at the roofline."""
+    """``(bytes read, bytes written)`` per element for one kernel call at the roofline.
+
+    Args:
+      kind: ``"quantize"`` or ``"dequantize_accumulate"``.
+      codec: the wire format.
+      num_chunks: the chunks ``N`` a dequantize-accumulate sums (ignored by ``quantize``).
+      stochastic: quantize with stochastic rounding (4 random bytes read per element).
+
+    Returns:
+      Bytes read and written per element of the ``[rows, B]`` buffer (scales included).
+
+    Raises:
+      ValueError: another ``kind``.
+    """
     scale = 0.0 if codec.row_scale_dtype is None else (
         jnp.dtype(codec.row_scale_dtype).itemsize / codec.row_size)
     leaf = 4 / codec.row_size if codec.has_leaf_scale else 0.0
@@ -50,7 +63,20 @@ def traffic(kind: str, codec: Codec, num_chunks: int = 1,
 
 
 def expected_memory_ops(kind: str, codec: Codec, args) -> tuple[int, int]:
-    """``(loads, stores)`` a one-pass kernel issues for arguments ``args``."""
+    """``(loads, stores)`` a one-pass kernel issues for arguments ``args``.
+
+    Args:
+      kind: ``"quantize"``; any other value is read as ``"dequantize_accumulate"``.
+      codec: the wire format.
+      args: the kernel's positional arguments (arrays or ``jax.ShapeDtypeStruct`` s, ``None``
+        for absent ones): ``(x, leaf_scale, rand_bits)`` or ``(payload, row_scale,
+        leaf_scale)``.
+
+    Returns:
+      Quantize: one load per column part (twice with random bits) plus one for the leaf
+      scale, one store per byte plane plus one for the row scale. Dequantize-accumulate: per
+      chunk one load per byte plane and scale, one store per column part.
+    """
     if kind == "quantize":
         x, leaf, rand = args
         loads = row_parts(codec) * (1 + (rand is not None)) + (leaf is not None)
@@ -66,7 +92,14 @@ _STORE = re.compile(r"^\s*(?:tt\.store|vector\.store|tpu\.vector_store)\b", re.M
 
 
 def count_memory_ops(module_text: str) -> tuple[int, int]:
-    """``(used loads, stores)`` in one lowered kernel module's text."""
+    """``(used loads, stores)`` in one lowered kernel module's text.
+
+    Args:
+      module_text: one Triton or Mosaic module, as Pallas prints it with ``debug=True``.
+
+    Returns:
+      The loads whose result is used at least once, and the stores.
+    """
     loads = 0
     for name in _LOAD.findall(module_text):
         uses = re.findall(re.escape(name) + r"(?![\w#])", module_text)
@@ -75,7 +108,21 @@ def count_memory_ops(module_text: str) -> tuple[int, int]:
 
 
 def memory_ops(kind: str, codec: Codec, args, platform: str) -> tuple[int, int]:
-    """``(used loads, stores)`` of kernel ``kind`` lowered for ``platform`` on ``args``."""
+    """``(used loads, stores)`` of kernel ``kind`` lowered for ``platform`` on ``args``.
+
+    Args:
+      kind: ``"quantize"`` or ``"dequantize_accumulate"``.
+      codec: the wire format.
+      args: the kernel's abstract arguments, as :func:`~gift_jax.comm.kernels.backend.export_kernel`
+        takes them.
+      platform: ``"gpu"`` or ``"tpu"``.
+
+    Returns:
+      :func:`count_memory_ops` of the lowered module.
+
+    Raises:
+      RuntimeError: the lowering printed no or several kernel modules.
+    """
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         export_kernel(kind, codec, args, platform, debug=True)
@@ -94,7 +141,18 @@ def collective_calls(shapes, codec: Codec, num_shards: int,
     ``num_shards`` replicas, for its smallest and its largest bucket: per bucket of ``R``
     rows, the reduce-scatter quantizes ``[R, B]`` and sums ``num_shards`` chunks of
     ``R/num_shards`` rows; the all-gather quantizes the shard and decodes the gathered
-    ``[1, R, bytes]`` (error feedback decodes the same shapes)."""
+    ``[1, R, bytes]`` (error feedback decodes the same shapes).
+
+    Args:
+      shapes: the gradient leaves' shapes (all of them in ``codec``).
+      codec: the wire format.
+      num_shards: the replicas the reduction splits over.
+      bucket_elems: the bucket capacity, as :func:`gift_jax.allreduce`'s.
+
+    Returns:
+      ``(kernel name, args)`` without repeats, ``args`` the kernel's positional arguments as
+      ``jax.ShapeDtypeStruct`` s (``None`` for absent scales and random bits).
+    """
     buckets = plan_buckets([tuple(s) for s in shapes], [codec] * len(shapes), num_shards,
                            bucket_elems)
     B, nbytes = codec.row_size, codec.row_bytes
@@ -116,7 +174,20 @@ def roofline_rows(codecs, num_chunks: int = 8, rows: int = 4096,
                   platforms=("gpu", "tpu")) -> list[dict]:
     """Per codec and kernel: bytes read/written per element at the roofline, and per platform
     the loads/stores of the lowered kernel against a one-pass kernel's (``rows`` rows; the
-    dequantize-accumulate sums ``num_chunks`` chunks), or why it does not lower."""
+    dequantize-accumulate sums ``num_chunks`` chunks), or why it does not lower.
+
+    Args:
+      codecs: the :class:`~gift_jax.comm.codecs.Codec` s to report on.
+      num_chunks: the chunks the dequantize-accumulate sums.
+      rows: rows of the ``[rows, B]`` buffer.
+      platforms: the kernel platforms to lower for.
+
+    Returns:
+      One dict per codec and kernel: ``kernel``, ``codec``, ``block_size``, ``chunks``,
+      ``read_B_per_elem``, ``written_B_per_elem``, ``one_pass_loads_stores``, and per platform
+      ``"<n> loads, <m> stores (one pass)"`` (or ``(NOT one pass)``, or ``"does not lower:
+      ..."``).
+    """
     out = []
     for codec in codecs:
         B, nbytes = codec.row_size, codec.row_bytes
