@@ -3,8 +3,13 @@
 import os
 import tempfile
 
+from codegen import SUITE_CODEGEN, xla_flags  # imports no JAX
+
+# The suite's code generation (tests/codegen.py): level 0, unless the user's XLA_FLAGS set it.
+_SUITE_FLAGS = "" if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else (
+    xla_flags(SUITE_CODEGEN))
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    f'{os.environ.get("XLA_FLAGS", "")} {_SUITE_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the whole run, shared by pytest-xdist's workers and the scripts

@@ -96,3 +96,17 @@ def test_bench_stream_script_smoke(tmp_path):
     assert report["grid"]["first_batch_s"] > report["tokenizer_s"]
     assert report["pod"]["cores_needed"] > 0
     assert "Time to the first batch" in (tmp_path / "bench_stream.md").read_text()
+
+
+def test_pod_unknown_mode_names_the_allowed_ones():
+    import ml_collections
+
+    from gift_jax.apps.pod import MODES, compile_mode, mode_config
+    from gift_jax.training.config import ConfigError
+
+    match = r"mode='fp16' is not supported; allowed modes: fp32, fp8, gift_fp8, plumage_fp8"
+    assert tuple(MODES) == ("fp32", "fp8", "gift_fp8", "plumage_fp8")
+    with pytest.raises(ConfigError, match=match):  # a ValueError, not a bare KeyError
+        mode_config(ml_collections.ConfigDict(), "fp16", (8, 1, 1), 8)
+    with pytest.raises(ConfigError, match=match):
+        compile_mode(ml_collections.ConfigDict(), "fp16", (8, 1, 1))

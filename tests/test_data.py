@@ -97,6 +97,28 @@ def test_text_dir_builder_round_trip(tmp_path, data_dir):
     )
 
 
+def test_interrupted_synthetic_corpus_leaves_no_document(tmp_path, monkeypatch):
+    import pathlib
+
+    from gift_jax.data import synthetic
+
+    small = synthetic.vocabulary(size=200)  # the default 60k words take a second to draw
+    monkeypatch.setattr(synthetic, "vocabulary", lambda seed=0: small)
+
+    def interrupted(self, target):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "rename", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            synthetic.write_corpus(tmp_path, 1, file_bytes=1)
+    assert [p.name for p in tmp_path.iterdir()] == [".part-00000.jsonl.tmp"]
+    assert builder.list_text_files(str(tmp_path)) == []  # the leftover is no document
+    written = synthetic.write_corpus(tmp_path, 1, file_bytes=1)
+    assert [p.name for p in written] == ["part-00000.jsonl"]
+    assert builder.list_text_files(str(tmp_path)) == ["part-00000.jsonl"]
+
+
 def test_concurrent_prepare_builds_once(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -146,10 +146,38 @@ def test_profile_metrics_and_selection(tmp_path):
 def test_bench_gift_step_and_flops():
     shapes = {"layers/0/mlp/down_proj/kernel": (64, 32), "layers/0/norm/scale": (32,)}
     r = pf.bench_gift_step(shapes, ["*/mlp/down_proj"], rank=8, repeats=1)
-    assert r["devices"] == R and r["gift_over_euclidean"] > 0
+    assert r["devices"] == R and r["gift_over_euclidean"] > 0 and r["refresh_every"] == 50
     fl = pf.gift_flops(3456, 1280, rank=32, layers=13, model_params=600_000_000)
     assert fl["step_flops"] == 13 * (8 * 3456 * 32 * 1280 + 6 * 3456 * 1280)
     assert fl["step_over_train"] < 1e-3
+
+
+@pytest.mark.parametrize("offsets, match", [
+    ((0, 4, -2), r"offsets=\(0, 4, -2\) must be ints >= 0 .*invalid entries: \[-2\]"),
+    ((0, 2.5), r"invalid entries: \[2.5\]"),
+    ((3, 6), r"offsets=\(3, 6\) must be ints >= 0 that include 0"),
+])
+def test_staleness_rejects_offsets_it_would_mislabel(offsets, match):
+    with pytest.raises(ValueError, match=match):  # before the trainer is touched
+        rt.staleness_experiment(None, offsets=offsets)
+
+
+def test_gift_flops_counts_only_lowrank_diag():
+    with pytest.raises(ValueError, match=r"factor='full_cholesky' is not supported; allowed"):
+        pf.gift_flops(64, 32, factor="full_cholesky")
+
+
+def test_cost_markdown_names_the_real_refresh_interval():
+    row = {"case": "a", "devices": 8, "euclidean_s": 1.0, "gift_s": 1.1, "gift_refresh_s": 3.0,
+           "gift_over_euclidean": 1.1, "refresh_over_euclidean": 3.0,
+           "amortised_over_euclidean": 1.2, "refresh_every": 20}
+    head = pf.cost_markdown([row, row | {"case": "b"}]).splitlines()[0]
+    assert "refresh amortised, K=20" in head and "K=50" not in head
+    table = pf.cost_markdown([row, row | {"case": "b", "refresh_every": 100}]).splitlines()
+    assert "refresh amortised over K" in table[0] and "| K |" in table[0]
+    assert "| 20 |" in table[2] and "| 100 |" in table[3]
+    with pytest.raises(ValueError, match=r"rows \['a'\] have no refresh_every"):
+        pf.cost_markdown([{k: v for k, v in row.items() if k != "refresh_every"}])
 
 
 def _one_block_tiny(num_steps: int):

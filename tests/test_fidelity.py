@@ -64,6 +64,16 @@ def test_polar_and_newton_schulz():
         fd.polar(g, "qr")
 
 
+def test_reference_frames_use_full_precision_matmuls():
+    # GPU/TPU would otherwise run these fp32 dots in bf16 passes / TF32 (CPU: the same bits)
+    g = jnp.ones((6, 4), jnp.float32)
+    for fn, args in ((fd.newton_schulz, (g,)), (fd.polar, (g,)), (fd.cosine, (g, g)),
+                     (lambda a, r: fd.fidelity_report(a, r), ({"w": g}, {"w": g}))):
+        text = jax.jit(fn).lower(*args).as_text()
+        assert text.count("dot_general") > 0
+        assert text.count("dot_general") == text.count("precision = [HIGHEST, HIGHEST]"), fn
+
+
 def test_report_per_leaf_and_aggregate_jitted():
     ref = {"w": _normal(2, (16, 8)), "b": _normal(3, (8,))}
     approx = jax.tree.map(_fp8, ref)

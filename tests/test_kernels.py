@@ -1,10 +1,12 @@
-"""Pallas kernels equal their jnp references bit for bit (interpreted on CPU), lower for GPU
-(Triton) and TPU (Mosaic) through jax.export, and backend="auto" never crashes."""
+"""Pallas kernels equal their jnp references bit for bit (interpreted on CPU, both compiled at
+XLA's default code generation: tests/codegen.py), lower for GPU (Triton) and TPU (Mosaic)
+through jax.export, and backend="auto" never crashes."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from codegen import at_default_codegen
 
 from gift_jax.comm import codecs as C
 from gift_jax.comm.kernels import backend as kb
@@ -38,9 +40,9 @@ def test_quantize_kernel_equals_reference(name, block, stochastic):
     codec = C.get_codec(name, block)
     x, leaf, bits = _inputs(codec, rows=37)  # 37 rows: not a multiple of the 8-row tile
     bits = bits if stochastic else None
-    ref = jax.jit(qk.quantize_reference, static_argnums=1)(x, codec, leaf, bits)
-    ker = qk.quantize_pallas(x, leaf, bits, codec=codec, block_rows=8,
-                             platform="interpret")
+    ref = at_default_codegen(qk.quantize_reference, x, codec, leaf, bits, static_argnums=(1,))
+    ker = at_default_codegen(lambda x, leaf, bits: qk.quantize_pallas(
+        x, leaf, bits, codec=codec, block_rows=8, platform="interpret"), x, leaf, bits)
     _bitwise_equal(ker[0], ref[0])
     assert (ker[1] is None) == (ref[1] is None)
     if ref[1] is not None:
@@ -61,16 +63,33 @@ def test_dequantize_accumulate_kernel_equals_reference(name, block):
     payload = jnp.stack(payloads)
     row = None if scales[0] is None else jnp.stack(scales)
     leaf = None if leaves[0] is None else jnp.stack(leaves)
-    ref = jax.jit(qk.dequantize_accumulate_reference, static_argnums=1)(payload, codec, row, leaf)
-    ker = qk.dequantize_accumulate_pallas(payload, row, leaf, codec=codec, block_rows=8,
-                                          platform="interpret")
+    ref = at_default_codegen(qk.dequantize_accumulate_reference, payload, codec, row, leaf,
+                             static_argnums=(1,))
+    ker = at_default_codegen(lambda p, r, l: qk.dequantize_accumulate_pallas(
+        p, r, l, codec=codec, block_rows=8, platform="interpret"), payload, row, leaf)
     _bitwise_equal(ker, ref)
     # and the reference is the plain fixed-order sum of the decoded chunks (both compiled:
     # XLA may contract a multiply-add into an FMA, so eager and jitted code can differ)
-    manual = jax.jit(lambda p, r, l: sum(
+    manual = at_default_codegen(lambda p, r, l: sum(
         C.decode_rows(p[i], None if r is None else r[i], codec, None if l is None else l[i])
-        for i in range(n)))(payload, row, leaf)
+        for i in range(n)), payload, row, leaf)
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(manual))
+
+
+def test_default_codegen_is_xlas_default():
+    """The options the bit-identity tests pin are XLA's defaults (a process without flags)."""
+    import os
+    import subprocess
+    import sys
+
+    from codegen import DEFAULT_CODEGEN
+
+    code = ("from jax._src import compiler; d = compiler.get_compile_options(num_replicas=1, "
+            "num_partitions=1).executable_build_options.debug_options; "
+            "print(d.xla_backend_optimization_level, d.xla_llvm_disable_expensive_passes)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "XLA_FLAGS": ""}, check=True, timeout=120).stdout
+    assert out.split() == [str(v) for v in DEFAULT_CODEGEN.values()]
 
 
 def test_backend_setting():

@@ -206,6 +206,19 @@ def test_failed_read_is_one_line(workers):
         assert "disk went away" in str(err.value)
 
 
+@pytest.mark.parametrize("state, match", [
+    ({"lanes": [[0, 0], [1, 2, 3], [0, 0], [0, 0]]}, r"lane 1 is \[1, 2, 3\]; expected"),
+    ({"lanes": [[0, 0], [0, "5"], [0, 0], [0, 0]]}, r"lane 1 is \[0, '5'\]; expected"),
+    ({"lanes": [[0, 0], [0, 0], [0, -1], [0, 0]]}, r"lane 2 is \[0, -1\]; expected"),
+    ({"lanes": [7, [0, 0], [0, 0], [0, 0]]}, r"lane 0 is 7; expected"),
+    ({"position": 3}, r"has no list of lanes; expected \{\"lanes\""),
+    ("{not json", r"not valid JSON .*; expected"),
+])
+def test_malformed_state_is_a_data_error(corpus, state, match):
+    with pytest.raises(DataError, match=match):
+        stream_batches(corpus, "train", 4, 8, state=state)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(workers=-1), r"data.workers=-1 must be an int >= 0"),
     (dict(process_index=2, process_count=2), r"process_index=2 must lie in \[0, 2\)"),

@@ -105,6 +105,15 @@ def test_training_is_deterministic_cached_and_round_trips(kind, corpus, tmp_path
     assert len(ids) < len(text.encode()) or kind == "bpe"  # spm merges the frequent words
 
 
+def test_artifact_dir_needs_a_data_dir(corpus, tmp_path):
+    from gift_jax.data.source import artifact_dir
+
+    with pytest.raises(DataError, match="source 'toy' has no data_dir"):
+        artifact_dir(corpus)  # built in memory
+    placed = TokenSource({"train": ["a b"]}, name="my corpus", data_dir=str(tmp_path))
+    assert artifact_dir(placed) == os.path.join(str(tmp_path), "gift_tokenizers", "my_corpus")
+
+
 def test_training_text_is_bounded(corpus):
     texts = list(tt.training_texts(corpus, max_chars=5000))
     assert sum(map(len, texts)) == 5000 and len(texts) == 1 + 5000 // len(corpus.documents(

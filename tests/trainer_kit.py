@@ -11,6 +11,7 @@ import signal
 import jax
 import ml_collections
 import numpy as np
+from codegen import SUITE_CODEGEN
 
 from gift_jax.training import complete_config, train
 from gift_jax.training.config import set_fields
@@ -20,7 +21,9 @@ from gift_jax.utils.cpu_devices import FORCE_COUNT_FLAG
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 24  # num_steps of every config here (smoke runs stop early with stop_after)
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+#: The trainer runs' compiler options: the suite's code generation (tests/codegen.py), also
+#: where a user's XLA_FLAGS choose another.
+FAST = SUITE_CODEGEN
 
 
 def script_env(**changes: str | None) -> dict[str, str]:

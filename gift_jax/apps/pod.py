@@ -50,12 +50,13 @@ import gift_jax
 from gift_jax.comm.wire import array_bytes
 from gift_jax.models import count_params
 from gift_jax.training.config import (
+    ConfigError,
     complete_config,
     resolve_comm_mode,
     set_fields,
     validate_config,
 )
-from gift_jax.training.mesh import data_axes, mesh_from_config, model_axes
+from gift_jax.training.mesh import data_axes, data_parallel_size, mesh_from_config, model_axes
 from gift_jax.training.program import Program
 
 #: The communication modes compiled by default: ``label → (comm.codec, comm.method)``, from
@@ -270,10 +271,11 @@ def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequen
       The completed config with ``comm.codec``, ``comm.method`` and the ``mesh`` sizes set.
 
     Raises:
-      KeyError: ``mode`` is not a key of :data:`MODES`.
-      ConfigError: a setting is invalid for ``num_devices`` (e.g. the mesh does not cover
-        them).
+      ConfigError: ``mode`` is not a key of :data:`MODES`, or a setting is invalid for
+        ``num_devices`` (e.g. the mesh does not cover them).
     """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ConfigError(f"mode={mode!r} is not supported; allowed modes: {', '.join(MODES)}")
     codec, method = MODES[mode]
     data, fsdp, tensor = mesh_shape
     config = set_fields(complete_config(config), {
@@ -307,8 +309,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
       only when the devices are TPUs).
 
     Raises:
-      KeyError: ``mode`` is not a key of :data:`MODES`.
-      ConfigError: the config is invalid on this mesh (from :func:`mode_config`).
+      ConfigError: ``mode`` is not a key of :data:`MODES`, or the config is invalid on this
+        mesh (from :func:`mode_config`).
     """
     devices = jax.devices() if devices is None else list(devices)
     data, fsdp, tensor = mesh_shape
@@ -316,7 +318,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     mesh = mesh_from_config(config.mesh, devices)
     program = Program(config, mesh)
     n_params = count_params(program.model_config)
-    replicas = math.prod(mesh.shape[a] for a in data_axes(mesh))
+    replicas = data_parallel_size(mesh)
     params = jax.eval_shape(program.init_params)
     local = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(
         jax.tree.leaves(params), jax.tree.leaves(program.step.param_shardings), strict=True))

@@ -812,7 +812,7 @@ def roundtrip(x: jax.Array, codec: str | Codec, block_size: int | None = None) -
       block_size: elements per scale, or ``None`` for one scale.
 
     Returns:
-      ``x`` after quantize→dequantize, in ``x``'s dtype.
+      ``x`` after quantize→dequantize: float32, in ``x``'s shape (whatever ``x``'s dtype).
     """
     codec = get_codec(codec, block_size)
     if codec.is_exact:

@@ -742,15 +742,16 @@ def quantized_reduce_scatter(x: jax.Array, axis_name: AxisName, *,
     """Quantized reduce-scatter of an array: the fp32 sum of this replica's shard.
 
     ``x`` is flattened and zero-padded to ``P·rows_per_shard·row_size`` elements; replica ``i``
-    receives elements ``[i·L, (i+1)·L)`` of the padded sum, ``L = len(result)``. The whole
-    array shares one per-tensor scale per sender.
+    receives elements ``[i·L, (i+1)·L)`` of the padded sum, ``L = len(result)``. Each sender
+    scales the whole array with one per-tensor scale, or, with ``block_size``, one scale per
+    block of ``block_size`` elements.
 
     Args:
       x: this replica's array (any shape).
       axis_name: the mesh axis (or axes) to reduce over.
       codec: the wire format.
       block_size: elements per scale, or ``None`` for one scale per sender.
-      backend: ``"auto"``, ``"pallas"`` or ``"jnp"``.
+      backend: ``"auto"``, ``"pallas"`` or ``"xla"``.
       key: a PRNG key for stochastic rounding, or ``None``.
 
     Returns:
@@ -781,7 +782,7 @@ def quantized_all_gather(shard: jax.Array, axis_name: AxisName, *,
       axis_name: the mesh axis (or axes) to gather over.
       codec: the wire format.
       block_size: elements per scale, or ``None`` for one scale per shard.
-      backend: ``"auto"``, ``"pallas"`` or ``"jnp"`` (the quantize kernels).
+      backend: ``"auto"``, ``"pallas"`` or ``"xla"`` (the quantize kernels).
       key: a PRNG key for stochastic rounding, or ``None``.
 
     Returns:

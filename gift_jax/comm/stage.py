@@ -137,9 +137,10 @@ def allreduce(
       axis_name: mesh axis (or tuple of axes) of data parallelism; ``None`` = single device
         (the stage is then the identity).
       codec: ``"fp32"`` (a plain ``psum``), ``"bf16"``, ``"fp8_e4m3"`` (float8_e4m3fn),
-        ``"fp8_e5m2"``, ``"mxfp8"`` or ``"nvfp4"``; see :mod:`gift_jax.comm.codecs`.
-      block_size: per-block fp32 scales of this many elements for the fp8 codecs (``None`` =
-        one scale per tensor).
+        ``"fp8_e5m2"``, ``"mxfp8"``, ``"nvfp4"`` or ``"int8"``; see :mod:`gift_jax.comm.codecs`.
+      block_size: per-block fp32 scales of this many elements, for the codecs whose
+        :attr:`~gift_jax.comm.codecs.Codec.supports_block_scaling` is true (``None`` = one
+        scale per tensor; ``mxfp8`` and ``nvfp4`` accept only their own block size).
       mean: average over replicas (the data-parallel gradient) instead of summing.
       policy: per-leaf codec: a callable ``(path, leaf) → codec`` or a pytree of codecs
         matching the gradients (e.g. :func:`matrices_only`).

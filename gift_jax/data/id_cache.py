@@ -2,12 +2,16 @@
 (``data.id_cache``; levanter's idea of a cache that fills as the run goes, not before it).
 
 The documents of a split, in record order, fall into shards of :data:`SHARD_DOCS`. Shard ``s``
-is two files in ``<id_cache>/<tokenizer fingerprint>/<corpus and split key>/``:
+is two files, named by ``s`` in seven digits (``0000012``), in the folder
+``<id_cache>/<fingerprint[:24]>/<split>-<key>/`` of :func:`cache_folder` (the tokenizer's
+fingerprint; ``key`` the first 20 hex digits of the SHA-1 of the corpus, split and document
+count):
 
-* ``s.ids``: its documents' ids as the stream packs them (each followed by EOS; an empty
+* ``{s:07d}.ids``: its documents' ids as the stream packs them (each followed by EOS; an empty
   document has none), one after the other, in the stream dtype (``uint16`` when the vocabulary
   fits);
-* ``s.offsets.npy``: ``int64 [n + 1]``, document ``k``'s ids are ``ids[offsets[k]:offsets[k+1]]``.
+* ``{s:07d}.offsets.npy``: ``int64 [n + 1]``, document ``k``'s ids are
+  ``ids[offsets[k]:offsets[k+1]]``.
 
 The offsets file is renamed into place last, so a shard whose offsets exist is complete. A
 builder process (:func:`start_builder`) tokenizes the shards not yet cached, process ``p`` of

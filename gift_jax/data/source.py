@@ -388,9 +388,19 @@ def artifact_dir(source: TokenSource) -> str:
     Returns:
       ``<source.data_dir>/gift_tokenizers/<slug>``, the slug being ``source.name`` with every
       character other than alphanumerics, ``-`` and ``.`` replaced by ``_``.
+
+    Raises:
+      DataError: ``source`` has no ``data_dir`` (e.g. a :class:`TokenSource` built in memory),
+        so it has no directory for artifacts.
     """
+    data_dir = getattr(source, "data_dir", None)
+    if not data_dir:
+        raise DataError(
+            f"source {getattr(source, 'name', source)!r} has no data_dir, so it has no artifact "
+            "directory: build it with TokenSource(..., data_dir=DIR) or get_source(), or pass "
+            "a cache_dir of your own (e.g. to get_tokenizer)")
     slug = "".join(c if c.isalnum() or c in "-." else "_" for c in source.name)
-    return os.path.join(source.data_dir, "gift_tokenizers", slug)
+    return os.path.join(data_dir, "gift_tokenizers", slug)
 
 
 def _byte_source(spec, data_dir, text_field, index_dir) -> TokenSource:

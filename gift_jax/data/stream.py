@@ -318,8 +318,10 @@ def stream_batches(
     Raises:
       DataError: a non-positive ``global_batch`` or ``seq_len``, ``process_index`` outside
         ``[0, process_count)``, ``global_batch`` not divisible by ``process_count``, a bad
-        ``workers``, ``grain`` missing, an unknown or empty split, a ``state`` of another
-        number of lanes than ``global_batch``, or an ``id_cache`` on object storage.
+        ``workers``, ``grain`` missing, an unknown or empty split, a ``state`` that is not
+        ``{"lanes": [[round, tokens consumed], ...]}`` with ints ``>= 0`` (or its JSON) or
+        holds another number of lanes than ``global_batch``, or an ``id_cache`` on object
+        storage.
     """
     if global_batch < 1 or seq_len < 1:
         raise DataError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
@@ -345,17 +347,15 @@ def stream_batches(
         raise DataError(f"split {split!r} of {source.name} has no documents")
     local = global_batch // process_count
     layout = LaneLayout(global_batch, process_index * local, local)
-    if isinstance(state, str):
-        state = json.loads(state)
     resume = None
     if state is not None:
-        lanes = state.get("lanes") if isinstance(state, dict) else None
-        if not isinstance(lanes, list) or len(lanes) != global_batch:
+        lanes = _saved_lanes(state)
+        if len(lanes) != global_batch:
             raise DataError(
-                f"the saved data position holds {len(lanes or ())} lanes, this run reads "
+                f"the saved data position holds {len(lanes)} lanes, this run reads "
                 f"{global_batch} (train.global_batch_size); resume with the global batch it "
                 "was saved with")
-        resume = [(int(r) * local + lane, int(consumed)) for lane, (r, consumed)
+        resume = [(r * local + lane, consumed) for lane, (r, consumed)
                   in enumerate(lanes[layout.first:layout.first + local])]
     first_doc = min(f for f, _ in resume) if resume else 0
     if loop:
@@ -379,6 +379,48 @@ def stream_batches(
     start = (first_doc // CHUNK_DOCS) * CHUNK_DOCS
     return LaneBatches(iter(chunks), layout, seq_len + 1, resume, start,
                        f"split {split!r} of {source.name}", loop, builder)
+
+
+def _saved_lanes(state: dict | str) -> list[tuple[int, int]]:
+    """The ``[round, tokens consumed]`` pairs of a saved position (``stream_batches``'s
+    ``state``), checked: a dict (or its JSON) whose ``"lanes"`` is a list of pairs of ints
+    ``>= 0``.
+
+    Args:
+      state: the saved position.
+
+    Returns:
+      The ``(round, tokens consumed)`` of every global lane, in lane order.
+
+    Raises:
+      DataError: anything else, naming what was expected.
+    """
+    expected = ('expected {"lanes": [[round, tokens consumed], ...]} with ints >= 0 '
+                "(global_state of the processes' LaneBatches.state(), or its JSON)")
+    if isinstance(state, str):
+        try:
+            state = json.loads(state)
+        except json.JSONDecodeError as e:
+            raise DataError(f"the saved data position is not valid JSON ({e}); {expected}"
+                            ) from None
+    lanes = state.get("lanes") if isinstance(state, dict) else None
+    if not isinstance(lanes, (list, tuple)):
+        raise DataError(f"the saved data position {_short(state)} has no list of lanes; "
+                        f"{expected}")
+    out = []
+    for i, entry in enumerate(lanes):
+        ok = (isinstance(entry, (list, tuple)) and len(entry) == 2
+              and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+                      for v in entry))
+        if not ok:
+            raise DataError(f"the saved data position's lane {i} is {_short(entry)}; {expected}")
+        out.append((int(entry[0]), int(entry[1])))
+    return out
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def global_state(states: list[dict]) -> dict:

@@ -79,7 +79,8 @@ def write_corpus(directory: str | pathlib.Path, total_bytes: int, *, seed: int =
                  file_bytes: int = 64 << 20) -> list[pathlib.Path]:
     """Writes at least ``total_bytes`` of generated documents as ``.jsonl`` files of about
     ``file_bytes`` under ``directory``; returns them. Files already there are kept (rerunning
-    adds nothing).
+    adds nothing). Each file is written under a hidden temporary name (``.part-NNNNN.jsonl.tmp``)
+    and renamed when complete, so an interrupted run leaves nothing a ``text:DIR`` corpus reads.
 
     Args:
       directory: the output directory (created if missing).
@@ -104,7 +105,9 @@ def write_corpus(directory: str | pathlib.Path, total_bytes: int, *, seed: int =
                 chunks.append(text)
                 size += len(text.encode())
                 batch += 1
-            tmp = path.with_suffix(".tmp")
+            # hidden (a leading dot): a text:DIR corpus skips it if a run stops before the
+            # rename (gift_jax.data.builder.list_text_files)
+            tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(chunks))
             tmp.rename(path)
         files.append(path)

@@ -205,11 +205,13 @@ def expected_squared_error(sigma: jax.Array, p: jax.Array) -> jax.Array:
     gives ``inf`` (the estimator would be biased there).
 
     Args:
-      sigma: singular values ``σ`` of ``G``, shape ``(..., n)``.
+      sigma: singular values ``σ`` of ``G``, shape ``(n,)`` (as :func:`inclusion_probabilities`
+        takes them).
       p: inclusion probabilities ``p_i`` of the same shape.
 
     Returns:
-      ``E‖Ĝ − G‖²_F`` over the last axis, fp32.
+      ``E‖Ĝ − G‖²_F``, an fp32 scalar (the sum over every entry: a batched ``sigma`` gives the
+      total over the batch, not one value per matrix).
     """
     sigma = jnp.asarray(sigma, jnp.float32)
     terms = jnp.where(

@@ -731,7 +731,8 @@ def scale_by_plumage(
       weight_dimension_numbers: how leaves are viewed as matrices, see
         :func:`gift_jax.lowrank.views.resolve_layouts`.
       mask: pytree of bools or callable: which leaves to project (e.g.
-        :func:`mask_excluding` ``("embed", "head")``).
+        :func:`mask_excluding` ``("embed/*", "lm_head/*")`` keeps a Llama's embedding and
+        output head dense).
       adaptive_refresh: optional :class:`AdaptiveRefresh` rule for τ.
       communicate: optional cross-replica reduction stage for the ``(k, N)`` coordinates and
         dense leaves (inside ``shard_map``); needs the static ``plumage_refresh=True/False``

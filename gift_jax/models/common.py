@@ -267,7 +267,8 @@ def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.
     """``softmax(q kᵀ / √d + causal mask) v`` with grouped key/value heads, fp32 softmax.
 
     Shapes: q ``(B, T, H, D)``; k, v ``(B, T, K, D)`` with ``K | H``; query head ``h`` reads
-    key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in q's dtype.
+    key/value head ``h // (H/K)``. Returns ``(B, T, H, D)`` in v's dtype (q's in the model,
+    where q, k and v share the compute dtype).
 
     Args:
       q: queries, ``(B, T, H, D)``.

@@ -666,21 +666,23 @@ def validate_layer_patterns(config: ml_collections.ConfigDict,
             f"'*/mlp/down_proj' (paths look like: {sample})")
 
 
-def nothing_to_communicate(config: ml_collections.ConfigDict, num_devices: int) -> str | None:
+def nothing_to_communicate(config: ml_collections.ConfigDict, replicas: int) -> str | None:
     """The warning for a run that asks for low-precision or method-shaped communication on a
     data-parallel size of 1, where no all-reduce happens (wire bytes 0, and the codec and
     method change nothing a multi-device run would see); ``None`` otherwise.
 
     Args:
       config: a completed config (``comm.codec`` and ``comm.method`` are read).
-      num_devices: the run's number of devices, taken as its data-parallel size.
+      replicas: the run's data-parallel size
+        (:func:`~gift_jax.training.mesh.data_parallel_size` of its mesh; not the device
+        count, since ``fsdp`` and ``tensor`` devices share one replica).
 
     Returns:
-      The one-line warning, or ``None`` when ``num_devices > 1`` or the run asks for fp32
-      and no method.
+      The one-line warning, or ``None`` when ``replicas > 1`` or the run asks for fp32 and
+      no method.
     """
     codec, method = config.comm.codec, config.comm.method
-    if num_devices > 1 or (codec == "fp32" and method == "none"):
+    if replicas > 1 or (codec == "fp32" and method == "none"):
         return None
     return (
         f"comm.codec={codec!r} comm.method={method!r} on a data-parallel size of 1: there is "

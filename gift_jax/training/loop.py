@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -47,7 +46,7 @@ from gift_jax.training.config import (
     validate_config,
     validate_layer_patterns,
 )
-from gift_jax.training.mesh import data_axes, mesh_from_config
+from gift_jax.training.mesh import data_axes, data_parallel_size, mesh_from_config
 from gift_jax.training.metrics import MetricsWriter, Progress
 from gift_jax.training.optim import learning_rate_schedule
 from gift_jax.training.program import program_for
@@ -68,7 +67,8 @@ BatchFn = Callable[..., Iterator[np.ndarray]]
 class TrainResult:
     """What :func:`train` returns (on process 0 the same numbers are in ``summary.json``)."""
 
-    params: Any  # final parameters (replicated)
+    params: Any  # final parameters, as the mesh places them: replicated over the data axes,
+    # split over fsdp/tensor on a sharded mesh
     opt_state: Any  # final optimizer state
     step: int  # optimizer steps completed
     history: list[dict[str, Any]]  # every logged record (train, eval, diagnostics)
@@ -205,12 +205,13 @@ def _parameter_paths(model_config: Any) -> list[str]:
     return list(flat_paths(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))))
 
 
-def _warn_if_nothing_to_communicate(config: ml_collections.ConfigDict,
-                                    num_devices: int) -> None:
-    """Logs a warning when a run on one data-parallel device asks for a codec or method
+def _warn_if_nothing_to_communicate(config: ml_collections.ConfigDict, replicas: int) -> None:
+    """Logs a warning when a run with one data-parallel replica asks for a codec or method
     (:func:`~gift_jax.training.config.nothing_to_communicate`): it would otherwise finish
-    with wire bytes 0 and look like a comparison it is not."""
-    warning = nothing_to_communicate(config, num_devices)
+    with wire bytes 0 and look like a comparison it is not. ``replicas``: the mesh's
+    :func:`~gift_jax.training.mesh.data_parallel_size` (not its device count: ``fsdp`` and
+    ``tensor`` devices share one replica)."""
+    warning = nothing_to_communicate(config, replicas)
     if warning is not None:
         log.warning(warning)
 
@@ -272,7 +273,6 @@ class Trainer:
         model_config = model_config_of(config.model)
         # gift.layers against the model's paths, before anything is written to disk
         validate_layer_patterns(config, _parameter_paths(model_config))
-        _warn_if_nothing_to_communicate(config, len(devices))
         splits: tuple[str, ...] = ("train", "validation")
         if batches is None:
             mismatch = vocab_mismatch(model_config.vocab_size, config.data.tokenizer)
@@ -286,6 +286,7 @@ class Trainer:
         self.batches = batches
 
         mesh = mesh_from_config(config.mesh, devices)
+        _warn_if_nothing_to_communicate(config, data_parallel_size(mesh))
         self.checkpointer = (Checkpointer(workdir, config, keep=tc.keep_checkpoints,
                                           mesh_shape=dict(mesh.shape))
                              if workdir else None)
@@ -331,7 +332,7 @@ class Trainer:
         # a replica are not counted: they are the model parallelism's, not the reduction's)
         self.wire = {v: step_fn.wire_report(v).over(data_axes(mesh)).total
                      for v in step_fn.variants()}
-        self.replicas = math.prod(mesh.shape[a] for a in data_axes(mesh))
+        self.replicas = data_parallel_size(mesh)
         self.local_param_bytes = shard_bytes(self.params)
 
         self.evaluate_fn = program.evaluate if (tc.eval_every and eval_split) else None

@@ -356,6 +356,20 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(name for name in (DATA_AXIS, INTRA_AXIS) if name in mesh.axis_names)
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+    """The number of data-parallel replicas of ``mesh``: the product of its :func:`data_axes`
+    (the gradient reduction crosses them; ``fsdp`` and ``tensor`` devices belong to one
+    replica).
+
+    Args:
+      mesh: the run's mesh.
+
+    Returns:
+      The replica count, 1 when nothing crosses replicas (e.g. ``data=1, fsdp=8``).
+    """
+    return math.prod(mesh.shape[a] for a in data_axes(mesh))
+
+
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes a batch's rows are split over: every data axis, then ``fsdp`` when it splits
     the model (tensor-parallel devices share their rows).

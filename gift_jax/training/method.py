@@ -194,8 +194,9 @@ class CommPlan:
 
     def build(self, recipe: Any, axes: tuple[str, ...], schedule: optax.Schedule
               ) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
-        """``(chain, stage)``: the chain before :func:`~gift_jax.training.optim.
-        skip_nonfinite`, and the communication stage alone (for the fidelity diagnostic).
+        """``(chain, stage)``: the chain before
+        :func:`~gift_jax.training.optim.skip_nonfinite`, and the communication stage alone (for
+        the fidelity diagnostic).
 
         Args:
           recipe: the run's :class:`~gift_jax.training.recipe.Recipe` (communication,

@@ -222,7 +222,7 @@ class NotPerDeviceError(ValueError):
     parameters)."""
 
 
-def require_per_device(tree: Any, axis_name: AxisName, stage: str) -> None:
+def require_per_device(tree: Any, axis_name: AxisName | None, stage: str) -> None:
     """Refuse (:class:`NotPerDeviceError`, one line) a gradient tree that does not vary over
     ``axis_name`` under ``check_vma=True``: autodiff of parameters passed in replicated has
     summed it over the devices in full precision already, and reducing it again would multiply

@@ -34,8 +34,9 @@ chosen by the same path rule as :func:`gift_jax.gift.gift`: a pattern matches th
 (``*/mlp/down_proj``) or the kernel path.
 
 Input coverage (GIFT's adaptive refresh, ordinary steps).  :func:`with_input_coverage` wraps
-a loss the same way but, instead of ``A``, adds ``[Σ‖BᵀSx‖², Σ‖Sx‖²]`` over a sample of about
-``samples`` input rows per call, with ``B, S`` the basis and input scale of each layer's current
+a loss the same way but, instead of ``A``, adds ``[Σ‖BᵀSx‖², Σ‖Sx‖²]`` over a strided sample of
+``samples`` to ``2·samples − 1`` input rows per call (every row of a call with fewer than
+``samples``), with ``B, S`` the basis and input scale of each layer's current
 factor (:func:`gift_jax.whitening.stage.coverage_bases`): O(samples·n·r) per layer, so a stage
 with ``track_coverage=True`` can tell on every step how much of the inputs its rank-r basis
 still captures.
@@ -374,15 +375,17 @@ def install_coverage(
     """Start measuring input coverage (in place): ``bases`` maps a kernel path to the basis
     ``B`` (``(..., n, r)``) and input scale ``S`` (``(..., n)``) of its GIFT factor, leading
     axes reshaped to the kernel's stacked axes.  Each call of a selected layer adds
-    ``[Σ_t ‖Bᵀ S x_t‖², Σ_t ‖S x_t‖²]`` over every ``⌊T / samples⌋``-th of its ``T`` input rows
-    (about ``samples`` rows, O(samples·n·r) work).  Returns the handle for
+    ``[Σ_t ‖Bᵀ S x_t‖², Σ_t ‖S x_t‖²]`` over every ``max(1, ⌊T / samples⌋)``-th of its ``T``
+    input rows (``⌈T / stride⌉`` rows: all ``T`` when ``T < samples``, else between ``samples``
+    and ``2·samples − 1``; O(samples·n·r) work).  Returns the handle for
     :func:`input_coverage` / :func:`remove_capture`.
 
     Args:
       model: the NNX model (changed in place until :func:`remove_capture`).
       bases: ``{kernel path: (B, S)}``, e.g. :func:`gift_jax.whitening.stage.coverage_bases`
         of the GIFT state; keys must be kernel paths of ``nnx.Linear`` layers.
-      samples: about how many input rows per call to sample, an int >= 1.
+      samples: the target number of input rows per call to sample, an int >= 1 (up to
+        ``2·samples − 1`` are taken, see above).
 
     Returns:
       The handle of the installed measurement.
@@ -445,8 +448,10 @@ def with_input_coverage(
       loss_fn: ``loss_fn(model, *args, **kwargs)``, unchanged.
       bases: ``{kernel path: (B, S)}`` from
         :func:`~gift_jax.whitening.stage.coverage_bases` of the stage's current state.
-      samples: about how many input rows per layer call to sample (an int >= 1, checked
-        when the returned function is called).
+      samples: the target number of input rows per layer call to sample (an int >= 1,
+        checked when the returned function is called; between ``samples`` and
+        ``2·samples − 1`` rows are taken from a call with at least ``samples``, as
+        :func:`install_coverage`).
 
     Returns:
       ``fn(model, *args, **kwargs) → (out, {kernel path: [Σ‖BᵀSx‖², Σ‖Sx‖²]})``; it raises

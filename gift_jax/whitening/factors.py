@@ -645,7 +645,9 @@ def make_factor(
     Returns ``(factor, status)``: status 0 = built with ε; 1 = A was fine but the factor was not
     finite, rebuilt with ``fallback_factor``·ε; 2 = identity (A non-finite, or both failed).
     ``rank >= n`` for the low-rank kinds gives the exact dense factor (``sqrt`` chooses which).
-    ``sqrt`` applies to the dense and block forms; low-rank forms are symmetric square roots.
+    ``sqrt`` applies to ``"block_diag"`` and to the low-rank kinds at ``rank >= n``; the
+    ``"full_*"`` kinds name their own square root, and low-rank forms (``rank < n``) are
+    symmetric square roots.
     ``eigenpairs=(U, λ)`` reuses top eigenpairs computed by the caller (low-rank kinds).
 
     Args:

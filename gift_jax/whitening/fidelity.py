@@ -48,6 +48,18 @@ def _f32(x):
     return jnp.asarray(x, jnp.float32)
 
 
+# The metrics are fp32 reference math, as the rest of the package's: full precision, not the
+# reduced (bf16-pass / TF32) default of fp32 matmuls on GPU and TPU.
+def _hi(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x @ y`` at ``Precision.HIGHEST``."""
+    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+
+
+def _vdot(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``vdot(x, y)`` at ``Precision.HIGHEST``."""
+    return jnp.vdot(x, y, precision=jax.lax.Precision.HIGHEST)
+
+
 def relative_l2(approx: jax.Array, ref: jax.Array) -> jax.Array:
     """‖approx − ref‖₂ / ‖ref‖₂ (Frobenius), fp32.
 
@@ -73,7 +85,7 @@ def cosine(approx: jax.Array, ref: jax.Array) -> jax.Array:
       A () fp32 in [−1, 1] (0 when either is zero).
     """
     a, r = _f32(approx).ravel(), _f32(ref).ravel()
-    return jnp.vdot(a, r) / jnp.maximum(jnp.linalg.norm(a) * jnp.linalg.norm(r), _TINY)
+    return _vdot(a, r) / jnp.maximum(jnp.linalg.norm(a) * jnp.linalg.norm(r), _TINY)
 
 
 def max_abs_error(approx: jax.Array, ref: jax.Array) -> jax.Array:
@@ -136,8 +148,8 @@ def newton_schulz(g: jax.Array, steps: int = 5) -> jax.Array:
         x = x.T
     x = x / (jnp.linalg.norm(x) + 1e-7)
     for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
+        s = _hi(x, x.T)
+        x = a * x + _hi(b * s + _hi(c * s, s), x)
     return x.T if transpose else x
 
 
@@ -160,7 +172,7 @@ def polar(g: jax.Array, method: str = "svd") -> jax.Array:
     if method != "svd":
         raise ValueError(f"method must be 'svd' or 'newton_schulz', got {method!r}")
     u, _, vt = jnp.linalg.svd(_f32(g), full_matrices=False)
-    return u @ vt
+    return _hi(u, vt)
 
 
 def _leaf_metrics(a, r, factor, adam_eps, muon):
@@ -175,7 +187,7 @@ def _leaf_metrics(a, r, factor, adam_eps, muon):
         # pooled-aggregate ingredients
         "_err2": jnp.sum((_f32(a) - _f32(r)) ** 2),
         "_ref2": jnp.sum(_f32(r) ** 2),
-        "_dot": jnp.vdot(_f32(a).ravel(), _f32(r).ravel()),
+        "_dot": _vdot(_f32(a).ravel(), _f32(r).ravel()),
         "_app2": jnp.sum(_f32(a) ** 2),
     }
     if jnp.ndim(r) == 2 and muon:

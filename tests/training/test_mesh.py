@@ -2,12 +2,16 @@
 multiply to the devices are refused naming the settings, the axes are named and typed as the
 sharded step expects, and data, model and batch axes are read off them."""
 
+import jax
+import ml_collections
 import pytest
 from jax.sharding import AxisType
 
+from gift_jax.training.config import nothing_to_communicate
 from gift_jax.training.mesh import (
     batch_axes,
     data_axes,
+    data_parallel_size,
     make_mesh,
     mesh_shape,
     model_axes,
@@ -52,3 +56,17 @@ def test_axes_of_the_meshes():
     assert model_axes(sharded) == ("fsdp", "tensor")
     assert batch_axes(sharded) == ("data", "fsdp")  # tensor-parallel devices share rows
     assert model_axes(make_mesh(fsdp=1, tensor=1)) == ()
+
+
+def test_replicas_are_the_data_axes_not_the_devices():
+    """The trainer's "nothing to communicate" warning counts data-parallel replicas: on a
+    mesh of 8 devices with data=1 (fsdp × tensor = 8) no gradient reduction crosses replicas."""
+    devices = jax.devices()[:8]
+    assert data_parallel_size(make_mesh(devices=devices)) == 8
+    assert data_parallel_size(make_mesh(2, devices)) == 8  # data × intra
+    assert data_parallel_size(make_mesh(devices=devices, fsdp=4)) == 2
+    sharded = make_mesh(devices=devices, fsdp=4, tensor=2)
+    assert data_parallel_size(sharded) == 1
+    config = ml_collections.ConfigDict({"comm": {"codec": "fp8_e4m3", "method": "none"}})
+    assert "data-parallel size of 1" in nothing_to_communicate(config, data_parallel_size(sharded))
+    assert nothing_to_communicate(config, data_parallel_size(make_mesh(devices=devices))) is None

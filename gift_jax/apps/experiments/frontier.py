@@ -503,7 +503,7 @@ def load_records(out: str | os.PathLike, settings: FrontierSettings | None = Non
 
 def t_interval(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float, float]:
     """``(mean, sd, lo, hi)`` of paired differences: ``mean ± t_{(1+level)/2, n−1}·sd/√n``
-    (``sd`` with ``n − 1``); ``lo = hi = mean`` for a single difference (no interval).
+    (``sd`` with ``n − 1``); a single difference gives ``(mean, nan, nan, nan)`` (no interval).
 
     Args:
       diffs: the paired differences ``d_s`` (at least one).
@@ -559,7 +559,7 @@ def summarize(records: Sequence[dict], level: float = 0.95) -> list[dict]:
     """One row per cell: wire bytes per step per device (mean over seeds), its ratio to the
     fp32 ring reference, the final eval loss (mean ± sd), the paired gap to the reference
     cell (:func:`paired_difference`), the reference's own seed spread ``ref_sd`` and the mean
-    number of refresh steps. Rows in :data:`CODECS` × :data:`TRANSPORTS` order.
+    number of refresh steps. Rows sorted by optimizer, accumulation, transport, then codec.
 
     Args:
       records: :func:`run_cell` records of any cells and seeds.
@@ -570,7 +570,8 @@ def summarize(records: Sequence[dict], level: float = 0.95) -> list[dict]:
       ``wire_ratio``, ``loss``, ``loss_sd`` and ``ref_sd`` (NaN with fewer than two seeds),
       ``refreshes`` and ``gap`` (:func:`paired_difference` to :attr:`Cell.reference`;
       ``{"n": 0}`` when the reference was not run). Sorted by optimizer, accumulation,
-      transport (:data:`TRANSPORTS` order), then codec (:data:`CODECS` order).
+      transport (:data:`TRANSPORTS` order), then codec (:data:`CODECS` order); optimizer and
+      accumulation sort alphabetically.
     """
     names = sorted({r["cell"] for r in records},
                    key=lambda n: (Cell.parse(n).optimizer, Cell.parse(n).accumulate,

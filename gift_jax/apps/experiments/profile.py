@@ -377,8 +377,9 @@ def bench_gift_step(
     Returns:
       ``devices``, ``platform``, the best-of-``repeats`` seconds of the Euclidean step, the
       GIFT ordinary step and the GIFT refresh step (``euclidean_s``, ``gift_s``,
-      ``gift_refresh_s``), and the ratios ``gift_over_euclidean``, ``refresh_over_euclidean``
-      and ``amortised_over_euclidean`` (refresh amortised over ``refresh_every``).
+      ``gift_refresh_s``), the ratios ``gift_over_euclidean``, ``refresh_over_euclidean``
+      and ``amortised_over_euclidean`` (refresh amortised over ``refresh_every``), and
+      ``refresh_every`` itself.
 
     Raises:
       ValueError: a pattern of ``layers`` that selects no path (from
@@ -446,6 +447,7 @@ def bench_gift_step(
         "gift_over_euclidean": t_g / t_e,
         "refresh_over_euclidean": t_r / t_e,
         "amortised_over_euclidean": (t_g + (t_r - t_g) / refresh_every) / t_e,
+        "refresh_every": refresh_every,
     }
 
 
@@ -473,7 +475,7 @@ def gift_flops(
       refresh_every: K, over which a refresh is amortised.
       tokens_per_device: N, the local tokens of a step.
       model_params: the model's parameter count; ``None`` (or 0): no ratios.
-      factor: ignored (the counts are ``lowrank_diag``'s).
+      factor: the factor kind; only ``"lowrank_diag"``, whose costs the counts are.
       oversample: p, the subspace iteration's oversampling.
       iters: the subspace iteration's iterations.
 
@@ -482,8 +484,14 @@ def gift_flops(
       ``refresh_subspace_flops``, ``amortised_eigh_flops``, ``amortised_subspace_flops`` and,
       with ``model_params``, ``train_flops`` and the ratios ``step_over_train``,
       ``amortised_eigh_over_train`` and ``amortised_subspace_over_train``.
+
+    Raises:
+      ValueError: a ``factor`` other than ``"lowrank_diag"`` (the other kinds cost
+        differently and are not counted).
     """
-    del factor
+    if factor != "lowrank_diag":
+        raise ValueError(f"gift_flops: factor={factor!r} is not supported; allowed values: "
+                         "('lowrank_diag',) (the only kind whose FLOPs are counted)")
     k = rank + oversample
     step = layers * (8 * n * rank * m + 6 * n * m)
     stats = layers * 2 * tokens_per_device * n * n
@@ -506,18 +514,33 @@ def gift_flops(
 def cost_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The markdown table of :func:`bench_gift_step`'s results.
 
+    The amortised column names the refresh interval K (``refresh_every``) when every row
+    shares one; rows with different K get a ``K`` column instead.
+
     Args:
       rows: :func:`bench_gift_step`'s dicts, each with a ``case`` label added.
 
     Returns:
       The table, ending in a newline.
+
+    Raises:
+      ValueError: a row without ``refresh_every`` (the K its refresh was amortised over).
     """
+    missing = [r.get("case", i) for i, r in enumerate(rows) if "refresh_every" not in r]
+    if missing:
+        raise ValueError(f"cost_markdown: rows {missing} have no refresh_every (the K their "
+                         "refresh was amortised over; bench_gift_step's results hold it)")
+    ks = {r["refresh_every"] for r in rows}
     cols = ["case", "devices", "euclidean_s", "gift_s", "gift_refresh_s", "gift_over_euclidean",
             "refresh_over_euclidean", "amortised_over_euclidean"]
+    amortised = (f"GIFT / FP8 (refresh amortised, K={next(iter(ks))})" if len(ks) == 1
+                 else "GIFT / FP8 (refresh amortised over K)")
+    if len(ks) > 1:
+        cols.insert(2, "refresh_every")
     titles = {"euclidean_s": "FP8 step (s)", "gift_s": "GIFT-FP8 step (s)",
               "gift_refresh_s": "GIFT refresh step (s)",
               "gift_over_euclidean": "GIFT / FP8 (non-refresh)",
               "refresh_over_euclidean": "refresh / FP8",
-              "amortised_over_euclidean": "GIFT / FP8 (refresh amortised, K=50)"}
-    return markdown_table([{k: (str(v) if k in ("case", "devices") else v)
+              "amortised_over_euclidean": amortised, "refresh_every": "K"}
+    return markdown_table([{k: (str(v) if k in ("case", "devices", "refresh_every") else v)
                             for k, v in r.items()} for r in rows], cols, titles) + "\n"

@@ -975,7 +975,8 @@ def staleness_experiment(
 
     Args:
       trainer: the experiment trainer; it is advanced to ``trainer.step + max(offsets)``.
-      offsets: the sampled k (sorted, repeats dropped; not negative).
+      offsets: the sampled k, ints >= 0 that include 0 (the refresh step itself); sorted,
+        repeats dropped.
       windows: the refresh intervals K of the summary.
       replicas: R.
       local_batch: sequences per replica.
@@ -993,7 +994,18 @@ def staleness_experiment(
       over the offsets k < K of ``<metric>_stale`` and ``<metric>_fresh`` for ``rel_l2``,
       ``whitened``, ``adam`` and ``muon``), ``start_step``, ``codec``, ``accumulate`` and
       ``layers``.
+
+    Raises:
+      ValueError: ``offsets`` with a negative or non-int entry, or without 0 (the curves'
+        k would not be the steps since the refresh).
     """
+    bad = [k for k in offsets
+           if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0]
+    if bad or 0 not in offsets:
+        raise ValueError(
+            f"staleness_experiment: offsets={tuple(offsets)!r} must be ints >= 0 that include "
+            f"0 (the refresh step; k counts the steps since it)"
+            + (f"; invalid entries: {bad}" if bad else ""))
     methods = methods or (Method("Euclidean", "euclidean"),
                           Method("rank-32 A", "input", "lowrank_diag", rank=32),
                           Method("input-side full A", "input", "full_cholesky"))
@@ -1097,9 +1109,11 @@ def refresh_schedule_experiment(
       (:func:`gift_jax.whitening.stage.refresh_due_adaptive`): refresh at the first step, after
       ``max_every`` steps, or after at least ``min_every`` steps once the coverage ratio
       ``c_{t−1}/c_ref < τ``, where ``c = tr(BᵀSĀSB)/tr(SĀS)`` is the input coverage of the
-      previous step's inputs (all 256 tokens of each replica: the trainer's sample size) with
-      the factor then in use, ``c_ref`` its value on the last refresh step, and the ratio the
-      minimum over the layers.
+      previous step's inputs (all ``T = local_batch · seq_len`` tokens of each replica; the
+      training step's own measurement, :func:`~gift_jax.whitening.capture.with_input_coverage`,
+      takes every ``max(1, ⌊T / 256⌋)``-th row, so the two see the same rows while ``T < 512``)
+      with the factor then in use, ``c_ref`` its value on the last refresh step, and the ratio
+      the minimum over the layers.
 
     Signals compared (``correlations``): on each fixed-K schedule, the correlation over the
     steps of its excess error with the input coverage ratio and with the gradient coverage
