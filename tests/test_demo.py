@@ -4,6 +4,7 @@ import os
 import pathlib
 
 import pytest
+from trainer_kit import FAST
 
 from gift_jax.apps.demo import format_table, run_demo
 from gift_jax.apps.plotting import plot_runs, read_metrics
@@ -26,7 +27,7 @@ def test_demo_one_mode_table_and_plot(tmp_path):
     cfg = tmp_path / "small.py"
     cfg.write_text(SMALL.format(tiny=str(tiny)))
     rows = run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False,
-                    compiler_options={"xla_backend_optimization_level": 0})
+                    compiler_options=FAST)
     (row,) = rows
     assert row["mode"] == "fp8" and 0.24 < row["wire_vs_fp32"] < 0.27
     assert 0 < row["eval_loss"] < 6 and 0 < row["roundtrip_rel_l2"] < 0.1
@@ -37,7 +38,7 @@ def test_demo_one_mode_table_and_plot(tmp_path):
         read_metrics(tmp_path / "nope")
     # the README command is re-runnable: a second run replaces the first one's workdir ...
     again = run_demo(tmp_path, cfg, steps=4, modes=("fp8",), show_progress=False,
-                     compiler_options={"xla_backend_optimization_level": 0})
+                     compiler_options=FAST)
     assert again[0]["eval_loss"] == row["eval_loss"]  # same seed, fresh run
     # ... but never a directory holding anything else
     (tmp_path / "fp8" / "notes.txt").write_text("mine")

@@ -7,6 +7,7 @@ import runpy
 
 import numpy as np
 import pytest
+from trainer_kit import FAST
 
 from gift_jax.data import (
     DataError,
@@ -198,9 +199,8 @@ def test_trainer_runs_with_spm_trained_on_shakespeare(tmp_path):
         ("optimizer.warmup_steps", "1"),
         ("train.log_every", "1"), ("train.eval_every", "4"), ("train.eval_batches", "1"),
         ("train.diagnostics_every", "0"), ("data.tokenizer", "spm:512")])
-    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     data_dir = str(tmp_path / "data")
-    runs = [train(config, data_dir=data_dir, show_progress=False, compiler_options=fast)
+    runs = [train(config, data_dir=data_dir, show_progress=False, compiler_options=FAST)
             for _ in range(2)]
     losses = [[h["loss"] for h in r.history if "loss" in h] for r in runs]
     assert runs[0].step == 4 and len(losses[0]) == 4 and np.all(np.isfinite(losses[0]))

@@ -20,6 +20,18 @@ from gift_jax.utils import tpu
 if not tpu.libtpu_available():
     pytest.skip(f"{tpu.INSTALL_HINT} (TPU compile tests skipped)", allow_module_level=True)
 
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache():
+    """No persistent compilation cache here: an executable compiled for compile-only devices
+    is written to it but cannot be read back (no client to load it), so the next test that
+    compiles the same program would warn and compile again."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 V5P_64 = tpu.parse_topology("v5p-128")  # 64 chips, 4x4x4
 V5E_2X16 = tpu.parse_topology("v5e-16", slices=2)  # 2 slices of 4x4
 
