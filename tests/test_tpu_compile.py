@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -24,12 +25,15 @@ if not tpu.libtpu_available():
 @pytest.fixture(autouse=True)
 def _no_persistent_cache():
     """No persistent compilation cache here: an executable compiled for compile-only devices
-    is written to it but cannot be read back (no client to load it), so the next test that
-    compiles the same program would warn and compile again."""
+    is written to it but cannot be read back (no client to load it), so a test that compiles
+    a program another test (here or in test_kernel_lowering) compiled would warn and compile
+    again."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # JAX decides whether to use the cache once; make it decide again
     yield
     jax.config.update("jax_enable_compilation_cache", enabled)
+    reset_cache()
 
 
 V5P_64 = tpu.parse_topology("v5p-128")  # 64 chips, 4x4x4
