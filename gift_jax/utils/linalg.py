@@ -32,7 +32,20 @@ import jax.numpy as jnp
 
 from gift_jax.utils.axes import AxisName, all_gather_invariant, axis_size
 
-__all__ = ["map_matrices", "map_matrices_grouped", "map_matrices_sharded"]
+__all__ = ["map_matrices", "map_matrices_grouped", "map_matrices_sharded", "matmul_highest"]
+
+
+def matmul_highest(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x @ y`` at ``Precision.HIGHEST``: the package's fp32 reference math, not the reduced
+    (bf16-pass / TF32) default of fp32 matmuls on GPU and TPU.
+
+    Args:
+      x, y: arrays that ``jnp.matmul`` accepts.
+
+    Returns:
+      Their product.
+    """
+    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
 
 
 def map_matrices(fn: Callable[..., Any], *xs: Any) -> Any:

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from gift_jax.utils.axes import cond
-from gift_jax.utils.linalg import map_matrices
+from gift_jax.utils.linalg import map_matrices, matmul_highest
 
 __all__ = [
     "BlockDiagFactor",
@@ -194,8 +194,7 @@ def _sym(a: jax.Array) -> jax.Array:
     return 0.5 * (a + a.T)
 
 
-def _hi(x, y):
-    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+_hi = matmul_highest
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gift_jax import whitening as wh
+from gift_jax.utils.linalg import matmul_highest
 from gift_jax.utils.tree_paths import leaf_path
 
 __all__ = [
@@ -50,9 +51,7 @@ def _f32(x):
 
 # The metrics are fp32 reference math, as the rest of the package's: full precision, not the
 # reduced (bf16-pass / TF32) default of fp32 matmuls on GPU and TPU.
-def _hi(x: jax.Array, y: jax.Array) -> jax.Array:
-    """``x @ y`` at ``Precision.HIGHEST``."""
-    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+_hi = matmul_highest
 
 
 def _vdot(x: jax.Array, y: jax.Array) -> jax.Array:
