@@ -35,9 +35,9 @@ def _csv(text: str) -> list[str]:
 def _field_value(text: str) -> tuple[str, object]:
     """``"train.global_batch_size=64"`` → ``("train.global_batch_size", 64)``."""
     field, sep, value = text.partition("=")
-    if not sep or not field.startswith(("train.", "optimizer.")):
-        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE with a train.* or optimizer.* "
-                         "field")
+    if not sep or not field.startswith(("model.", "train.", "optimizer.")):
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE with a model.*, train.* or "
+                         "optimizer.* field")
     try:
         return field, ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -64,8 +64,8 @@ def main() -> int:
     ap.add_argument("--cpu_devices", type=int, default=8,
                     help="simulated CPU devices: the replicas R (data-parallel)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a train.*/optimizer.* override of every run (repeatable), e.g. "
-                    "train.global_batch_size=64 for 64 x 1 sequences at --cpu_devices 64")
+                    help="a model.*/train.*/optimizer.* override of every run (repeatable), "
+                    "e.g. train.global_batch_size=64 for 64 x 1 sequences at --cpu_devices 64")
     ap.add_argument("--report_only", action="store_true")
     ap.add_argument("--plot", default="", help="also write the Pareto plot here")
     a = ap.parse_args()
@@ -75,11 +75,14 @@ def main() -> int:
     simulate_cpu_devices(a.cpu_devices)
     from gift_jax.apps.experiments import frontier as F
 
+    fields = [_field_value(x) for x in a.set]
     s = F.FrontierSettings(config=a.config, steps=a.steps, eval_every=a.eval_every,
                            eval_batches=a.eval_batches, refresh_every=a.refresh_every,
                            min_refresh_every=a.min_refresh_every,
                            max_refresh_every=a.max_refresh_every,
-                           train=tuple(_field_value(x) for x in a.set))
+                           model=tuple((f.removeprefix("model."), v) for f, v in fields
+                                       if f.startswith("model.")),
+                           train=tuple((f, v) for f, v in fields if not f.startswith("model.")))
     if a.codecs or a.transports or a.accumulations or a.optimizers:
         cells = F.cross_product(_csv(a.codecs) or F.CODECS, _csv(a.transports) or F.TRANSPORTS,
                                 _csv(a.accumulations) or F.ACCUMULATIONS,

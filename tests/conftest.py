@@ -12,6 +12,11 @@ os.environ["XLA_FLAGS"] = (
     f'{os.environ.get("XLA_FLAGS", "")} {_SUITE_FLAGS} --xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Source locations of one frame, not ten (the op names stay): every op's location travels
+# through lowering and every XLA pass as metadata; this takes about a tenth off a trainer
+# step's trace-lower-compile and changes no computation.  A user's own setting wins.
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # One compilation cache for the whole run, shared by pytest-xdist's workers and the scripts
 # the tests start (they inherit the environment): the trainer tests compile the same small
 # programs many times.  Keyed by the HLO, the flags and the backend, so a hit is the same

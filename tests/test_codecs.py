@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from codegen import at_default_codegen
 
 from gift_jax.comm import codecs as C
 
@@ -146,7 +147,10 @@ def test_mx_exponent_is_explicit_not_an_e8m0_cast():
 def test_nvfp4_matches_independent_oracle_and_packs_two_per_byte():
     x = np.asarray(jax.random.normal(jax.random.key(3), (16 * 40,))) * np.repeat(
         np.linspace(0.01, 10, 40), 16).astype(np.float32)
-    out = np.asarray(C.roundtrip(jnp.asarray(x), "nvfp4"))
+    # exact to the oracle at the code users run (tests/codegen.py: the suite's emitters put one
+    # quotient on the other side of a rounding tie)
+    out = np.asarray(at_default_codegen(C.roundtrip, jnp.asarray(x), "nvfp4",
+                                        static_argnums=(1,)))
     np.testing.assert_allclose(out, _oracle_nvfp4(x), rtol=0, atol=0)
     codec = C.get_codec("nvfp4")
     assert codec.row_bytes == 8

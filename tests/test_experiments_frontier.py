@@ -115,7 +115,8 @@ def test_transport_comparisons_pair_cells_of_one_codec():
 def test_frontier_at_16_replicas_smoke(tmp_path):
     """#23's training cells at R = 16 (the R = 64 measurement's shape): fp8_e5m2 on the FP8
     ring, Euclidean and GIFT, and the fp32 reference, 2 steps each on 16 simulated devices
-    with 16 x 1 sequences, through the script; the records say 16 devices."""
+    with 16 x 1 sequences of a 1-block model, through the script; the records say 16 devices
+    and the model override."""
     import subprocess
     import sys
 
@@ -124,14 +125,15 @@ def test_frontier_at_16_replicas_smoke(tmp_path):
     subprocess.run(
         [sys.executable, str(root / "scripts" / "frontier.py"), "--out", str(tmp_path),
          "--cpu_devices", "16", "--set", "train.global_batch_size=16", "--set",
-         "optimizer.warmup_steps=1", "--steps", "2", "--eval_every", "2",
-         "--eval_batches", "1", "--refresh_every", "2", "--codecs", "fp8_e5m2",
+         "optimizer.warmup_steps=1", "--set", "model.num_layers=1", "--steps", "2",
+         "--eval_every", "2", "--eval_batches", "1", "--refresh_every", "2", "--codecs", "fp8_e5m2",
          "--transports", "euclidean,gift", "--accumulations", "fp8", "--optimizers", "adamw",
          "--seeds", "0"], check=True, cwd=root, env=env, timeout=900)
     records = sorted(tmp_path.glob("records/**/seed0.json"))
-    runs = {(r["cell"], r["devices"]) for r in map(json.loads, map(pathlib.Path.read_text,
-                                                                   records))}
+    loaded = [json.loads(r.read_text()) for r in records]
+    runs = {(r["cell"], r["devices"]) for r in loaded}
     assert {d for _, d in runs} == {16} and len(runs) == 3
+    assert all(r["settings"]["model"] == [["num_layers", 1]] for r in loaded)
     assert (tmp_path / "frontier.png").stat().st_size > 0
     # a report with other settings finds no records: one error line, the report kept
     table = (tmp_path / "table.md").read_text()
