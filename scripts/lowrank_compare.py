@@ -68,7 +68,7 @@ def main() -> None:
     if a.reuse:
         results += E.load_runs(a.reuse, s, a.reuse_methods.split(","))
     summary = E.summarize(results)
-    md = E.format_compare_markdown(summary, s)
+    md = E.format_compare_markdown(summary)
     print(md)
     print(f"total {time.perf_counter() - t0:.0f} s")
     with open(os.path.join(a.out, "table.md"), "w") as fh:

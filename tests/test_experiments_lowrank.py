@@ -86,7 +86,7 @@ def test_summarize_gap_closed():
     gc = s["gap_closed"]["adam"]["plumage"]
     assert gc["of_means"] == pytest.approx(0.4)
     assert gc["per_seed"] == pytest.approx([0.5, 0.3])
-    md = E.format_compare_markdown(s, TINY)
+    md = E.format_compare_markdown(s)
     assert "| plumage | 2.6000 ± 0.1414 | 2 |" in md and "+40.0%" in md
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from gift_jax.apps.demo import demo_config, describe_mode, format_table
 from gift_jax.apps.plotting import (
+    difference_table,
     difference_to,
     path_labels,
     plot_runs,
@@ -75,6 +76,18 @@ def test_plot_script_draws_runs_sharing_a_folder_name(tmp_path, capsys, monkeypa
     table = capsys.readouterr().out
     assert "| b/fp8 | 2.00e-01 | 4.300000 | +2.00e-01 |" in table  # max |Δ train|, Δ eval
     assert "| a/fp8 | 0.00e+00 | 4.100000 | +0.00e+00 |" in table
+
+
+def test_difference_table_refuses_a_label_given_twice(tmp_path):
+    """Two runs under one label would be one line (the last run's): an error instead."""
+    a = _run(tmp_path / "a", [(1, 5.0)])
+    b = _run(tmp_path / "b", [(1, 5.5)])
+    with pytest.raises(ValueError, match=r"labels \['fp8'\] are given to more than one run"):
+        difference_table([("fp8", a), ("fp8", b)], "fp8")
+    with pytest.raises(ValueError, match=r"reference='fp32' is not a run label"):
+        difference_table([("fp8", a)], "fp32")
+    assert "| fp8 (2) | 5.00e-01 |" in difference_table(
+        list(zip(unique_labels(["fp8", "fp8"]), [a, b], strict=True)), "fp8")
 
 
 def test_plot_script_missing_directory_is_one_line(tmp_path, capsys):

@@ -118,8 +118,8 @@ def difference_table(runs: Sequence[tuple[str, str | os.PathLike]], reference: s
     logged, and the last eval losses' difference.
 
     Args:
-      runs: ``(label, workdir)`` pairs; labels should be distinct (a repeated label keeps
-        only its last run).
+      runs: ``(label, workdir)`` pairs with distinct labels (:func:`unique_labels` numbers
+        repeated ones).
       reference: the label of the run to compare with (one of ``runs``' labels).
 
     Returns:
@@ -127,8 +127,17 @@ def difference_table(runs: Sequence[tuple[str, str | os.PathLike]], reference: s
       has no common train step or no eval loss.
 
     Raises:
+      ValueError: a label given twice, or a ``reference`` that is none of the labels.
       FileNotFoundError: a workdir without ``metrics.jsonl``.
     """
+    labels = [label for label, _ in runs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"difference_table: labels {repeated} are given to more than one run "
+                         "(one line per label); number them with unique_labels")
+    if reference not in labels:
+        raise ValueError(f"difference_table: reference={reference!r} is not a run label; "
+                         f"the labels are {labels}")
     records = {label: read_metrics(workdir) for label, workdir in runs}
     ref_train, ref_eval = _series(records[reference], "loss"), _series(records[reference],
                                                                       "eval/loss")

@@ -69,6 +69,10 @@ class NoIntactCheckpointError(RuntimeError):
     """Every checkpoint of the directory was damaged (each has been moved aside)."""
 
 
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint whose files are all there but whose metadata lacks a required entry."""
+
+
 def _everywhere(ok: bool) -> bool:
     """Whether ``ok`` holds on every process (all take the same decision)."""
     if jax.process_count() == 1:
@@ -299,9 +303,12 @@ class Checkpointer:
         self._require_files(step)
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         meta = meta["meta"]
-        for key in ("step", "data_position", "config", "paths", "shapes"):
-            if key not in meta:
-                raise KeyError(f"metadata without {key!r}")
+        missing = [k for k in ("step", "data_position", "config", "paths", "shapes")
+                   if k not in meta]
+        if missing:
+            raise DamagedCheckpointError(
+                f"checkpoint {self.directory} (step {step}): its metadata has no {missing} "
+                "(damaged, or not written by gift_jax's Checkpointer)")
         return meta
 
     def check_config(self, step: int | None = None) -> dict[str, Any]:
@@ -318,6 +325,7 @@ class Checkpointer:
 
         Raises:
           FileNotFoundError: no checkpoint (with ``step``: a missing or truncated file of it).
+          DamagedCheckpointError: with ``step``: its metadata lacks a required entry.
           NoIntactCheckpointError: no checkpoint whose metadata reads.
           CheckpointMismatchError: written with a different config.
         """
@@ -349,7 +357,8 @@ class Checkpointer:
           stream-pipeline position (``None`` where the checkpoint has none).
 
         Raises:
-          FileNotFoundError: no checkpoint.
+          FileNotFoundError: no checkpoint (with ``step``: a missing or truncated file of it).
+          DamagedCheckpointError: with ``step``: its metadata lacks a required entry.
           NoIntactCheckpointError: none restores.
           CheckpointMismatchError: written with a different config or state layout.
         """

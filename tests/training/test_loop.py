@@ -63,6 +63,7 @@ from gift_jax.training import (
 from gift_jax.training.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
+    DamagedCheckpointError,
     NoIntactCheckpointError,
 )
 from gift_jax.training.program import program_for
@@ -252,6 +253,23 @@ def test_no_intact_checkpoint_is_one_line(interrupted_run, tmp_path):
         run(config, str(tmp_path / "run"), resume=True)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "2.damaged", "4.damaged"]
+
+
+def test_explicit_step_with_incomplete_metadata_is_named(interrupted_run, tmp_path):
+    """Restoring a given step whose metadata lacks an entry: an error naming the step and the
+    entry (not a bare KeyError); the newest-intact search treats it as damage."""
+    config, source, _ = interrupted_run
+    shutil.copytree(source, tmp_path / "run")
+    path = tmp_path / "run" / "checkpoints" / "4" / "meta" / "metadata"
+    meta, size = json.loads(path.read_text()), path.stat().st_size
+    del meta["paths"]
+    path.write_text(json.dumps(meta).ljust(size))  # the file listing's size: complete files
+    checkpointer = Checkpointer(str(tmp_path / "run"), config)
+    with pytest.raises(DamagedCheckpointError, match=r"\(step 4\): its metadata has no "
+                                                     r"\['paths'\]"):
+        checkpointer.check_config(step=4)
+    assert checkpointer.check_config()["step"] == 2  # step 4 moved aside
+    assert (tmp_path / "run" / "checkpoints" / "4.damaged").is_dir()
 
 
 def _with(config, **fields):

@@ -572,12 +572,11 @@ def summarize(results: Sequence[RunResult]) -> dict:
     return out
 
 
-def format_compare_markdown(summary: dict, s: CompareSettings) -> str:
+def format_compare_markdown(summary: dict) -> str:
     """A markdown table of the summary.
 
     Args:
       summary: :func:`summarize`'s output.
-      s: the settings (unused).
 
     Returns:
       The per-method table in :data:`METHODS` order, then per full-rank baseline the
