@@ -45,19 +45,27 @@ def xla_flags(options: dict) -> str:
                     for k, v in options.items())
 
 
-def _xla_accepts(options: dict) -> bool:
-    """Whether this Python's XLA accepts ``options`` as ``XLA_FLAGS`` (an unknown flag ends
-    the process that starts JAX's CPU backend).
+def start_jax(flags: str) -> subprocess.CompletedProcess:
+    """A Python (this one) that starts JAX's CPU backend with ``XLA_FLAGS=flags`` and exits.
+
+    XLA reads its flags there: an unknown flag ends the process with an error, and
+    ``--help`` prints every flag with its default (on stderr) and ends it.
 
     Args:
-      options: XLA flags by name.
+      flags: the ``XLA_FLAGS`` text.
 
     Returns:
-      ``True`` if a process starting JAX with them exits cleanly.
+      The finished process (text output captured).
     """
-    env = {**os.environ, "XLA_FLAGS": xla_flags(options), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                          capture_output=True, timeout=300).returncode == 0
+                          capture_output=True, text=True, timeout=300)
+
+
+def _xla_accepts(options: dict) -> bool:
+    """Whether this Python's XLA accepts ``options`` (a process starting JAX with them as
+    ``XLA_FLAGS`` exits cleanly)."""
+    return start_jax(xla_flags(options)).returncode == 0
 
 
 def _suite_codegen() -> dict:

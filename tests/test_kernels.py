@@ -79,17 +79,11 @@ def test_dequantize_accumulate_kernel_equals_reference(name, block):
 def test_default_codegen_is_xlas_default():
     """The options the bit-identity tests pin are XLA's defaults, as XLA's own flag help (a
     process started with ``XLA_FLAGS=--help``) prints them."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    from codegen import DEFAULT_CODEGEN
+    from codegen import DEFAULT_CODEGEN, start_jax
 
-    help_text = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
-                               capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "XLA_FLAGS": "--help",
-                                    "JAX_PLATFORMS": "cpu"}).stderr
+    help_text = start_jax("--help").stderr
     defaults = dict(re.findall(r"^\s*--(\w+)=(\S*)\s", help_text, re.M))
     assert {name: defaults.get(name) for name in DEFAULT_CODEGEN} == {
         name: str(v).lower() for name, v in DEFAULT_CODEGEN.items()}
