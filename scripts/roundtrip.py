@@ -65,14 +65,22 @@ def main(argv=None):
     command = "python " + " ".join(["scripts/roundtrip.py", *(argv or sys.argv[1:])])
     print(f"training {args.train_steps} steps, capturing {args.capture_steps} steps "
           f"x {args.replicas} replicas", flush=True)
+    # The replica sweep alone consumes the captures one at a time (one in memory, and no
+    # output-side B_r, which only the tables' Kronecker frames read).
+    sweep_only = bool(args.replica_sweep and args.skip_tables and args.staleness_steps == 0
+                      and args.schedule_steps == 0)
+    capture = dict(replicas=args.replicas, local_batch=args.local_batch,
+                   output_stats=not sweep_only)
     trainer, caps = rt.train_and_capture(
         load_config(args.config, CONFIGS), train_steps=args.train_steps,
-        capture_steps=args.capture_steps,
-        replicas=args.replicas, local_batch=args.local_batch, seed=args.seed,
+        capture_steps=0 if sweep_only else args.capture_steps, seed=args.seed,
         schedule_steps=args.train_steps + args.capture_steps + max(args.staleness_steps,
-                                                                   args.schedule_steps))
+                                                                   args.schedule_steps),
+        **capture)
     if args.replica_sweep:
         counts = [int(r) for r in args.replica_sweep.split(",")]
+        if sweep_only:
+            caps = rt.iter_captures(trainer, args.capture_steps, **capture)
         rows = rt.replica_sweep_experiment(caps, counts, codecs=args.codecs.split(","),
                                            accumulations=args.accumulate.split(","),
                                            damping=args.damping)
@@ -86,7 +94,7 @@ def main(argv=None):
                                                            indent=1, default=float))
         rt.plot_replica_sweep(rows, str(out / "replica_sweep.png"))
         print(md)
-        if args.skip_tables and args.staleness_steps == 0 and args.schedule_steps == 0:
+        if sweep_only:
             print(f"\nwrote {out}/replica_sweep.* in {time.perf_counter() - t0:.0f}s")
             return
     methods = rt.default_methods([int(r) for r in args.ranks.split(",")], args.remainder)

@@ -1,7 +1,9 @@
 """Smoke tests of the GIFT experiment library (scripts/roundtrip.py, profile_layers.py,
 bench_gift.py): tiny shapes, synthetic data, a few seconds each."""
 
+import gc
 import pathlib
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -250,9 +252,31 @@ def test_replica_sweep_ring_error_grows_with_replicas(tmp_path):
     err = {(r["replicas"], r["accumulate"]): r["step0"]["rel_l2"] for r in rows
            if r["method"] == "Euclidean"}
     assert err[8, "fp8"] > 1.5 * err[2, "fp8"] and err[8, "fp8"] > 2 * err[8, "fp32"]
+    # captures consumed one at a time (scripts/roundtrip.py's sweep: one in memory) give the
+    # same rows, each R's mean over the steps included
+    two = _synthetic_captures(steps=2)
+    kw = dict(codecs=("fp8_e5m2",), accumulations=("fp8",), verbose=False,
+              groups={"g": ["*/down_proj"]})
+    streamed = rt.replica_sweep_experiment(iter(two), [2, 8], **kw)
+    assert streamed == rt.replica_sweep_experiment(two, [2, 8], **kw)
+    assert all(len(r["per_step"]) == 2 for r in streamed)
     md = rt.replica_sweep_markdown(rows)
     assert "R = 2 | R = 8" in md and "rank-32 A" in md
     rt.plot_replica_sweep(rows, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").stat().st_size > 0
     with pytest.raises(ValueError, match="replicas=9 must lie in"):
         rt.first_replicas(caps[0], 9)
+
+
+def test_experiments_release_their_captures():
+    """An experiment keeps no capture alive once it returns (its factor cache held every
+    capture it saw: the R = 64 sweep of configs/small.py ran out of 24 GB that way)."""
+    cap = _synthetic_captures(steps=1)[0]
+    alive = weakref.ref(cap.loss)
+    rows = rt.roundtrip_experiment([cap], {"g": ["*/down_proj"]}, codecs=("fp8_e4m3",),
+                                   accumulations=("fp32",), error_feedback=(False,),
+                                   verbose=False)
+    assert rows and all(np.isfinite(r["step0"]["rel_l2"]) for r in rows)
+    del cap
+    gc.collect()
+    assert alive() is None

@@ -59,7 +59,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -86,6 +86,7 @@ __all__ = [
     "build_factors",
     "capture_replicas",
     "evaluate_method",
+    "iter_captures",
     "make_replica_fn",
     "markdown_table",
     "plot_refresh_schedules",
@@ -573,7 +574,9 @@ _FACTOR_CACHE: dict[tuple, Any] = {}
 
 
 def _cached_factor(method: Method, cap: ReplicaCapture, grp: Sequence[str], damping: float):
-    """Factors depend on (method, step, layers) only: build them once per experiment."""
+    """Factors depend on (method, step, layers) only: build them once per experiment (each
+    entry holds its capture, so the experiments drop the cache when they return:
+    :func:`_drops_factor_cache`)."""
     key = (method, id(cap), tuple(grp), damping)
     hit = _FACTOR_CACHE.get(key)
     if hit is not None and hit[0] is cap:
@@ -585,6 +588,21 @@ def _cached_factor(method: Method, cap: ReplicaCapture, grp: Sequence[str], damp
         _FACTOR_CACHE.clear()
     _FACTOR_CACHE[key] = (cap, f)
     return f
+
+
+def _drops_factor_cache(experiment: Callable) -> Callable:
+    """Empties :func:`_cached_factor`'s cache when ``experiment`` returns: its entries hold
+    their captures (2 GB each for ``configs/small.py`` at R = 64), which would otherwise stay
+    in memory after the experiment, up to 512 of them."""
+
+    @functools.wraps(experiment)
+    def run(*args, **kwargs):
+        try:
+            return experiment(*args, **kwargs)
+        finally:
+            _FACTOR_CACHE.clear()
+
+    return run
 
 
 def evaluate_method(
@@ -742,15 +760,38 @@ def train_and_capture(
                           schedule_steps=schedule_steps or max(train_steps + capture_steps,
                                                                config.train.num_steps))
     trainer.advance(train_steps, verbose=log_every > 0)
+    return trainer, list(iter_captures(trainer, capture_steps, replicas=replicas,
+                                       local_batch=local_batch, layers=layers,
+                                       output_stats=output_stats))
+
+
+def iter_captures(trainer: Trainer, capture_steps: int, *, replicas: int, local_batch: int,
+                  layers: Sequence[str] = ("*/attn/*_proj", "*/mlp/*_proj"),
+                  output_stats: bool = True) -> Iterator[ReplicaCapture]:
+    """Capture ``capture_steps`` consecutive steps of R replicas from the trainer's current
+    step, one at a time (the optimizer steps with the exact gradient in between).
+
+    A capture holds ``R·n·m`` gradient floats and ``R·n²`` factor floats per layer (and
+    ``R·m²`` with ``output_stats``): 2 GB for the 4.9M-parameter ``configs/small.py`` at R = 64.
+    Consuming them one by one (:func:`replica_sweep_experiment` does) keeps one in memory
+    instead of ``capture_steps``.
+
+    Args:
+      trainer: the experiment trainer; it ends at the last captured step.
+      capture_steps: the number of consecutive captured steps.
+      replicas, local_batch, layers, output_stats: as :func:`train_and_capture`.
+
+    Yields:
+      One :class:`ReplicaCapture` per captured step.
+    """
     fn = make_replica_fn(trainer.graphdef, layers, replicas, output_stats=output_stats)
-    caps = []
     for i in range(capture_steps):
-        caps.append(capture_replicas(trainer, fn, replicas * local_batch))
-        if i + 1 < capture_steps:
+        if i:
             trainer.advance(1)
-    return trainer, caps
+        yield capture_replicas(trainer, fn, replicas * local_batch)
 
 
+@_drops_factor_cache
 def roundtrip_experiment(
     captures: Sequence[ReplicaCapture],
     groups: dict[str, Sequence[str]] | None = None,
@@ -833,7 +874,7 @@ SWEEP_METHODS = ("Euclidean", "input-side full A", "rank-32 A")
 
 
 def replica_sweep_experiment(
-    captures: Sequence[ReplicaCapture],
+    captures: Iterable[ReplicaCapture],
     replica_counts: Sequence[int],
     methods: Sequence[Method] | None = None,
     codecs: Sequence[str] = ("fp8_e4m3", "fp8_e5m2"),
@@ -850,7 +891,8 @@ def replica_sweep_experiment(
     and each step's (``"per_step"``).
 
     Args:
-      captures: from :func:`train_and_capture` with at least ``max(replica_counts)`` replicas.
+      captures: from :func:`train_and_capture` or :func:`iter_captures` (consumed one at a
+        time), with at least ``max(replica_counts)`` replicas.
       replica_counts: the ``R`` values.
       methods: the frames (default: :data:`SWEEP_METHODS` of :func:`default_methods`).
       codecs, accumulations, damping, groups: as :func:`roundtrip_experiment`.
@@ -860,20 +902,24 @@ def replica_sweep_experiment(
     """
     if methods is None:
         methods = [m for m in default_methods((32,)) if m.name in SWEEP_METHODS]
+    parts = {r: [] for r in replica_counts}  # R -> one row list per captured step
+    for i, capture in enumerate(captures):
+        for r in replica_counts:
+            t0 = time.perf_counter()
+            parts[r].append(roundtrip_experiment(
+                [first_replicas(capture, r)], groups, methods=methods, codecs=codecs,
+                accumulations=accumulations, error_feedback=(False,), damping=damping,
+                verbose=False))
+            if verbose:
+                print(f"  step {i}, R={r}: {time.perf_counter() - t0:.1f}s", flush=True)
+        del capture  # before the next one is captured
     rows = []
     for r in replica_counts:
-        t0 = time.perf_counter()
-        parts = [roundtrip_experiment([first_replicas(c, r)], groups, methods=methods,
-                                      codecs=codecs, accumulations=accumulations,
-                                      error_feedback=(False,), damping=damping, verbose=False)
-                 for c in captures]
-        for steps in zip(*parts, strict=True):
+        for steps in zip(*parts[r], strict=True):
             per_step = [row["step0"] for row in steps]
             mean = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
             rows.append(dict(steps[0], replicas=r, step0=mean, per_step=per_step,
                              mean=mean, cum_rel_l2=None))
-        if verbose:
-            print(f"  R={r}: {time.perf_counter() - t0:.1f}s", flush=True)
     return rows
 
 
@@ -953,6 +999,7 @@ def plot_replica_sweep(rows: Sequence[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+@_drops_factor_cache
 def staleness_experiment(
     trainer: Trainer,
     *,
@@ -1080,6 +1127,7 @@ def _signal_correlations(errors, fresh, signals) -> dict[str, dict[str, float]]:
     return out
 
 
+@_drops_factor_cache
 def refresh_schedule_experiment(
     trainer: Trainer,
     *,
