@@ -69,18 +69,17 @@ def main(argv=None):
     # output-side B_r, which only the tables' Kronecker frames read).
     sweep_only = bool(args.replica_sweep and args.skip_tables and args.staleness_steps == 0
                       and args.schedule_steps == 0)
-    capture = dict(replicas=args.replicas, local_batch=args.local_batch,
-                   output_stats=not sweep_only)
-    trainer, caps = rt.train_and_capture(
-        load_config(args.config, CONFIGS), train_steps=args.train_steps,
-        capture_steps=0 if sweep_only else args.capture_steps, seed=args.seed,
+    trainer, _ = rt.train_and_capture(
+        load_config(args.config, CONFIGS), train_steps=args.train_steps, capture_steps=0,
+        seed=args.seed,
         schedule_steps=args.train_steps + args.capture_steps + max(args.staleness_steps,
-                                                                   args.schedule_steps),
-        **capture)
+                                                                   args.schedule_steps))
+    caps = rt.iter_captures(trainer, args.capture_steps, replicas=args.replicas,
+                            local_batch=args.local_batch, output_stats=not sweep_only)
+    if not sweep_only:
+        caps = list(caps)
     if args.replica_sweep:
         counts = [int(r) for r in args.replica_sweep.split(",")]
-        if sweep_only:
-            caps = rt.iter_captures(trainer, args.capture_steps, **capture)
         rows = rt.replica_sweep_experiment(caps, counts, codecs=args.codecs.split(","),
                                            accumulations=args.accumulate.split(","),
                                            damping=args.damping)
