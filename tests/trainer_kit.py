@@ -13,8 +13,9 @@ import ml_collections
 import numpy as np
 from codegen import SUITE_CODEGEN
 
+from gift_jax.comm.codecs import get_codec
 from gift_jax.training import complete_config, train
-from gift_jax.training.config import set_fields
+from gift_jax.training.config import DEFAULT_LOW_PRECISION_CODEC, set_fields
 from gift_jax.training.recipe import Recipe
 from gift_jax.utils.cpu_devices import FORCE_COUNT_FLAG
 
@@ -141,13 +142,13 @@ def legacy_config(config):
     """``config`` as the former vocabulary wrote it: ``comm.mode`` and a low-precision
     ``comm.codec`` (base.py's old default fp8_e4m3 where the mode ignored it)."""
     codec, method = config.comm.codec, config.comm.method
-    mode = {"gift": "gift_fp8", "plumage": "plumage"}.get(
-        method, codec if codec in ("fp32", "bf16") else "fp8")
+    scaled = get_codec(codec).is_scaled  # the former modes named only the unscaled codecs
+    mode = {"gift": "gift_fp8", "plumage": "plumage"}.get(method, "fp8" if scaled else codec)
     old = ml_collections.ConfigDict(config.to_dict())
     with old.unlocked():
         del old.comm["method"]
         old.comm.mode = mode
-        old.comm.codec = "fp8_e4m3" if codec in ("fp32", "bf16") else codec
+        old.comm.codec = codec if scaled else DEFAULT_LOW_PRECISION_CODEC
     return old
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 from trainer_kit import recipe_of
 
+from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.models import GPTConfig, LlamaConfig
 from gift_jax.training.config import ConfigError, set_fields
 from gift_jax.training.defaults import default_config
@@ -35,12 +36,13 @@ def test_parts_are_typed_and_frozen(tiny_config):
         r.comm.seed = 1
 
 
-@pytest.mark.parametrize("codec,block,rounding", [("fp8_e4m3", 64, True), ("int8", 64, True),
-                                                  ("bf16", None, True), ("fp32", None, False),
-                                                  ("nvfp4", None, True)])
-def test_comm_options_follow_the_codec(tiny_config, codec, block, rounding):
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_comm_options_follow_the_codec(tiny_config, codec):
     """Block scales only where the codec supports them; stochastic rounding and error
-    feedback only where it quantizes."""
+    feedback only where it quantizes (asked of the codec: every codec, a new one included)."""
+    facts = get_codec(codec)
+    block = 64 if facts.supports_block_scaling else None
+    rounding = not facts.is_exact
     r = recipe_of(set_fields(tiny_config, {
         "comm.codec": codec, "comm.scaling": "block", "comm.block_size": 64,
         "comm.stochastic_rounding": True, "comm.error_feedback": True}))
