@@ -16,7 +16,9 @@ Sharded training: ``--config.mesh.data/fsdp/tensor`` (README, "Training on a pod
 On a CPU host the run is data-parallel over ``--cpu_devices`` simulated devices (8, as the
 demo; an ``XLA_FLAGS`` setting ``--xla_force_host_platform_device_count`` wins): on one device
 there is nothing to communicate. Bad settings end with one ``error:`` line naming the setting
-and what is allowed.
+and what is allowed. SIGTERM (a preemption notice) or Ctrl-C: every process finishes its step,
+checkpoints it, prints one ``stopped:`` line naming the step and exits 0 (130 after a Ctrl-C);
+``--resume`` continues bit-exactly.
 """
 
 from __future__ import annotations
@@ -106,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
     simulate_cpu_devices(args.cpu_devices)
 
-    from gift_jax.training import TrainingStalledError, initialize_distributed
+    from gift_jax.training import (
+        Preempted,
+        TrainingStalledError,
+        initialize_distributed,
+    )
     from gift_jax.training.config import (
         ConfigError,
         apply_overrides,
@@ -138,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStalledError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:  # SIGTERM (a preemption notice) or SIGINT: checkpoint written
+        print(f"stopped: {e}", file=sys.stderr)
+        return 130 if e.signal_name == "SIGINT" else 0
     except KeyboardInterrupt as e:
         print(f"stopped: {str(e) or NOT_SAVED}", file=sys.stderr)
         return 130

@@ -26,6 +26,7 @@ from gift_jax.training.config import (
     validate_config,
 )
 from gift_jax.training.loop import (
+    Preempted,
     Trainer,
     TrainingStalledError,
     TrainResult,
@@ -49,6 +50,7 @@ __all__ = [
     "CommPlan",
     "ConfigError",
     "Optimizer",
+    "Preempted",
     "Program",
     "Recipe",
     "TrainResult",

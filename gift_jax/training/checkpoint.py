@@ -13,16 +13,24 @@ A checkpoint holds two items:
 
 Every random choice of a run lives in the optimizer state (keys) or is a pure function of
 ``(seed, step)`` (the data order), so restoring these items continues the run bit-exactly.
-A damaged checkpoint (a truncated or missing data file, missing metadata or manifest, a
-missing commit marker, a step directory only partly written) never stops a run: restoring
-takes the newest checkpoint that restores, warns in one line which step was damaged and why,
-and moves the damaged one aside (``<step>.damaged``, not deleted). A run therefore loses at
-most the steps since the last intact checkpoint. Damage is found before orbax reads anything
-where possible: after each save, process 0 lists every file of the step with its size
-(``gift_jax_files.json``, written once orbax has committed the step), and a restore first
-checks that listing; a missing or truncated file then costs one line, not orbax's pages of
-asynchronous tracebacks. Checkpoints without a listing (older ones, or a crash between orbax's
-commit and the listing) are read by orbax directly.
+A damaged checkpoint (a truncated or missing data file, a flipped bit in any file, missing
+metadata or manifest, a missing commit marker, a step directory only partly written) never
+stops a run: restoring takes the newest checkpoint that restores, warns in one line which step
+was damaged and why, and moves the damaged one aside (``<step>.damaged``, not deleted). A run
+therefore loses at most the steps since the last intact checkpoint. Damage is found before
+orbax reads anything where possible: after each save, every file of the step is listed with
+its size and CRC-32 (:data:`FILE_LISTING`, written by process 0 once orbax has committed the
+step and every process has checksummed its share of the files), and a restore first checks
+that manifest (sizes, then checksums, each process its share; the manifest checks its own
+entries too); a missing, truncated or altered file then costs one line naming the file and
+the step, not orbax's pages of asynchronous tracebacks (or, for a flipped bit, silently
+wrong numbers).
+
+Checkpoints written before the checksums: their metadata has no ``manifest`` entry, and they
+are checked as before: a listing of sizes only (``{path: size}``) where there is one, else the
+files without which orbax cannot read the step. A checkpoint whose metadata has the
+``manifest`` entry but whose manifest is missing or unreadable (a crash or a ``SIGKILL``
+between orbax's commit and the manifest) is damaged.
 
 A checkpoint written with a different config is refused with the list of differing fields,
 except the mesh (``mesh.data/fsdp/tensor/rules``): every array is a global array, restored
@@ -38,6 +46,7 @@ import dataclasses
 import json
 import logging
 import math
+import zlib
 from typing import Any
 
 import jax
@@ -53,8 +62,17 @@ from gift_jax.whitening.stage import former_state_path
 
 log = logging.getLogger(__name__)
 
-#: Every file of a checkpoint step with its size in bytes, written after orbax's commit.
+#: The manifest of a checkpoint step: every file with its size in bytes and CRC-32, written
+#: after orbax's commit (``{"version": 2, "checksum": "crc32", "files": {path: [size, crc]},
+#: "digest": crc of the files' entries}``; checkpoints of before the checksums hold
+#: ``{path: size}``).
 FILE_LISTING = "gift_jax_files.json"
+
+#: The manifest's format (:data:`FILE_LISTING`); the metadata of a checkpoint that has one
+#: records it as ``manifest``.
+MANIFEST_VERSION = 2
+
+_CHUNK = 16 << 20  # bytes read at a time when checksumming
 
 #: Where an array of today's state lived in a former layout (flat path → path or ``None``):
 #: a checkpoint that lacks a path is read at its former one.
@@ -70,7 +88,8 @@ class NoIntactCheckpointError(RuntimeError):
 
 
 class DamagedCheckpointError(RuntimeError):
-    """A checkpoint whose files are all there but whose metadata lacks a required entry."""
+    """A checkpoint whose files are all there but whose metadata lacks a required entry, or
+    whose manifest is missing or disagrees with a file (a flipped bit)."""
 
 
 def _everywhere(ok: bool) -> bool:
@@ -94,6 +113,123 @@ def _file_sizes(root: epath.Path) -> dict[str, int]:
 
     visit(root, "")
     return sizes
+
+
+def file_checksum(path: epath.Path | str) -> int:
+    """The CRC-32 (:func:`zlib.crc32`) of a file's bytes, read in 16 MiB chunks.
+
+    CRC-32 finds every flipped bit and every burst of up to 32 bits, and any other change but
+    for one chance in 2^32; it is in the standard library and checks several GB/s.
+
+    Args:
+      path: the file, local or an object-store URL.
+
+    Returns:
+      The checksum, an unsigned 32-bit integer.
+    """
+    crc = 0
+    with epath.Path(path).open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _mine(items: list) -> list:
+    """This process's share of ``items`` (every process holds the same list)."""
+    return items[jax.process_index()::jax.process_count()]
+
+
+def _is_marker(path: str) -> bool:
+    """Whether ``path`` is orbax's commit marker for object stores, which orbax may still be
+    writing when the manifest is (multi-process): neither its size nor its bytes are checked;
+    the manifest, written after the commit, is the commit."""
+    return epath.Path(path).name == "commit_success.txt"
+
+
+def _entries_digest(files: dict[str, list[int]]) -> int:
+    return zlib.crc32(json.dumps(files, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_manifest(root: epath.Path | str) -> dict[str, Any]:
+    """Writes the manifest (:data:`FILE_LISTING`) of the checkpoint step folder ``root``: every
+    file with its size and CRC-32. Every process checksums its share of the files, the shares
+    are gathered, and process 0 writes the manifest; all processes must call it.
+
+    Args:
+      root: the step's folder (``<workdir>/checkpoints/<step>``), complete.
+
+    Returns:
+      The manifest that was written.
+    """
+    root = epath.Path(root)
+    sizes = _file_sizes(root)
+    paths = sorted(sizes)
+    crcs = np.zeros(len(paths), np.uint32)  # (not int64: JAX without x64 gathers int32)
+    for i in _mine(list(range(len(paths)))):
+        if not _is_marker(paths[i]):
+            crcs[i] = file_checksum(root / paths[i])
+    if jax.process_count() > 1:  # each entry comes from one process, the others hold 0
+        crcs = np.asarray(multihost_utils.process_allgather(crcs)).max(axis=0)
+    files = {p: [int(sizes[p]), None if _is_marker(p) else int(c)]
+             for p, c in zip(paths, crcs, strict=True)}
+    manifest = {"version": MANIFEST_VERSION, "checksum": "crc32", "files": files,
+                "digest": _entries_digest(files)}
+    if jax.process_index() == 0:
+        (root / FILE_LISTING).write_text(json.dumps(manifest, sort_keys=True,
+                                                    separators=(",", ":")))
+    return manifest
+
+
+def verify_manifest(root: epath.Path | str) -> None:
+    """Checks the checkpoint step folder ``root`` against its manifest: every file there at
+    its size, then this process's share of the checksums (processes split the files). A
+    listing of sizes only (written before the checksums) checks sizes.
+
+    Args:
+      root: the step's folder (``<workdir>/checkpoints/<step>``), holding :data:`FILE_LISTING`.
+
+    Raises:
+      FileNotFoundError: a missing or truncated file (named).
+      DamagedCheckpointError: the manifest is unreadable or altered, or a file's checksum
+        differs (naming the file and the step).
+    """
+    root = epath.Path(root)
+    step = root.name
+    try:
+        manifest = json.loads((root / FILE_LISTING).read_text())
+        if isinstance(manifest, dict) and "version" in manifest:
+            files = manifest["files"]
+            if (manifest["version"] != MANIFEST_VERSION or manifest["checksum"] != "crc32"
+                    or manifest["digest"] != _entries_digest(files)):
+                raise ValueError("its entries do not match its digest")
+            expected = {p: (int(size), None if crc is None else int(crc))
+                        for p, (size, crc) in files.items()}
+        else:  # before the checksums: {path: size}
+            expected = {p: (int(size), None) for p, size in manifest.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    else:
+        problem = None
+    if problem is not None:  # raised here, unchained: the warning shows this line
+        raise DamagedCheckpointError(f"step {step}: its manifest {FILE_LISTING} is damaged "
+                                     f"({problem})")
+    found = _file_sizes(root)
+    for path, (size, _) in expected.items():
+        if _is_marker(path):
+            continue
+        if path not in found:
+            raise FileNotFoundError(f"{path} is missing")
+        if found[path] != size:
+            raise FileNotFoundError(f"{path} has {found[path]} of its {size} bytes")
+    for path in _mine(sorted(expected)):
+        want = expected[path][1]
+        if want is None or path not in found:
+            continue
+        got = file_checksum(root / path)
+        if got != want:
+            raise DamagedCheckpointError(
+                f"step {step}: {path} fails its checksum (crc32 {got:08x}, manifest "
+                f"{want:08x})")
 
 
 def _reason(error: BaseException) -> str:
@@ -156,7 +292,7 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str, config: ml_collections.ConfigDict, *, keep: int = 3,
-                 mesh_shape: dict[str, int] | None = None):
+                 mesh_shape: dict[str, int] | None = None, checksums: bool = True):
         """Args:
           workdir: the run's folder, local or an object-store URL; checkpoints go to
             ``<workdir>/checkpoints`` (created).
@@ -165,9 +301,14 @@ class Checkpointer:
           mesh_shape: ``{mesh axis: size}`` of the run's mesh, stored with every checkpoint (a
             restore onto another shape restarts the mesh-dependent error-feedback buffers
             from zero); ``None``: not recorded, and a restore assumes the same mesh.
+          checksums: write each step's manifest with CRC-32s (:func:`write_manifest`);
+            ``False`` writes the former listing of sizes only (the cost measurement's
+            baseline, :func:`gift_jax.training.checkpoint_cost.checksum_cost`). Restores
+            check whatever a step holds.
         """
         self.directory = str(epath.Path(local_or_url(workdir)) / "checkpoints")
         self.config = config
+        self.checksums = checksums
         self.mesh_shape = None if mesh_shape is None else {k: int(v) for k, v in
                                                            mesh_shape.items()}
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
@@ -232,8 +373,10 @@ class Checkpointer:
         """Writes ``state`` at ``step`` (blocking until it is on disk), with the data
         pipeline's position (``data_position``, and ``data_state`` where it has one).
 
-        A step that is already checkpointed is left as it is. Process 0 then writes the step's
-        file listing (:data:`FILE_LISTING`).
+        A step that is already checkpointed is left as it is. Then the step's manifest
+        (:data:`FILE_LISTING`: sizes and checksums, :func:`write_manifest`) is written; a step
+        whose manifest never got written (a crash, or ``SIGKILL``, right after orbax's commit)
+        is damaged on restore.
 
         Args:
           step: optimizer steps taken (the checkpoint's step).
@@ -253,6 +396,8 @@ class Checkpointer:
                 "skipped": int(skipped), "config": to_json(self.config), "paths": names,
                 "shapes": [_signature(x) for x in leaves], "mesh": self.mesh_shape,
                 "data_state": data_state}
+        if self.checksums:  # a step of this format without its manifest is damaged
+            meta["manifest"] = MANIFEST_VERSION
         # orbax refuses zero-size arrays (placeholders in optax states): they come back from
         # the template, their shape and dtype are checked through the metadata
         arrays = {n: x for n, x in zip(names, leaves, strict=True) if x.size}
@@ -265,31 +410,35 @@ class Checkpointer:
         self.manager.wait_until_finished()
         if jax.process_count() > 1:  # every process's files are written
             multihost_utils.sync_global_devices(f"gift_jax checkpoint {step} written")
-        if jax.process_index() == 0:
-            root = epath.Path(self.directory) / str(step)
+        root = epath.Path(self.directory) / str(step)
+        if self.checksums:
+            write_manifest(root)
+        elif jax.process_index() == 0:
             (root / FILE_LISTING).write_text(json.dumps(_file_sizes(root), sort_keys=True))
 
     def _require_files(self, step: int) -> None:
-        """Every file of ``step``'s listing, at its size; without a listing, the files
-        without which orbax cannot read the step (metadata, the OCDBT manifests). Checked
-        before orbax runs, whose failure on a missing or truncated file leaves pages of
-        asynchronous tracebacks on the terminal.
+        """The step's manifest holds (:func:`verify_manifest`: every file at its size and
+        checksum); without a manifest, the step must predate it (its metadata has no
+        ``manifest`` entry) and hold the files without which orbax cannot read it (metadata,
+        the OCDBT manifests). Checked before orbax runs, whose failure on a missing or
+        truncated file leaves pages of asynchronous tracebacks on the terminal.
 
         Raises:
           FileNotFoundError: naming the first missing or truncated file.
+          DamagedCheckpointError: a checksum differs (naming the file), the manifest is
+            damaged, or a step written with a manifest has none.
         """
         root = epath.Path(self.directory) / str(step)
-        listing = root / FILE_LISTING
-        if listing.exists():
-            found = _file_sizes(root)
-            for path, size in json.loads(listing.read_text()).items():
-                if epath.Path(path).name == "commit_success.txt":
-                    continue  # orbax's marker for object stores; the listing is our commit
-                if path not in found:
-                    raise FileNotFoundError(f"{path} is missing")
-                if found[path] != size:
-                    raise FileNotFoundError(f"{path} has {found[path]} of its {size} bytes")
+        if (root / FILE_LISTING).exists():
+            verify_manifest(root)
             return
+        try:
+            written_with = json.loads((root / "meta" / "metadata").read_text()).get("manifest")
+        except (OSError, ValueError, AttributeError):
+            written_with = None  # unreadable: the checks below (or orbax) say why
+        if written_with is not None:
+            raise DamagedCheckpointError(
+                f"step {step}: {FILE_LISTING} is missing (the save did not finish)")
         state = root / "state"
         required = [root / "meta" / "metadata", state / "_METADATA"]
         if state.exists() and any(state.glob("ocdbt.process_*")):

@@ -9,18 +9,30 @@ the same :class:`Trainer` between their measurements (one loop in the package).
 Host-side choices per step: the refresh variant, as the run's
 :class:`~gift_jax.training.method.CommPlan` decides (GIFT every ``gift.refresh_every`` steps,
 PLUMAGE when its state says a refresh is due). Metrics are fetched from the device only at log
-steps (the loop otherwise runs ahead asynchronously). Ctrl-C (SIGINT) is turned into a flag
-checked between steps (agreed on by all processes every ``log_every`` steps): the loop stops,
-logs the partial window, writes a checkpoint of the last completed step and then raises
-``KeyboardInterrupt``. A fresh run refuses a workdir that already holds checkpoints (pass
-``resume=True``), so two runs are never mixed.
+steps (the loop otherwise runs ahead asynchronously). A fresh run refuses a workdir that
+already holds checkpoints (pass ``resume=True``), so two runs are never mixed.
+
+Preemption and Ctrl-C. SIGTERM (the notice spot/preemptible nodes get about 30 s before the
+kill) and SIGINT stop the run between steps: every process finishes the step it is in, logs
+the partial window, writes a checkpoint of that step and raises :class:`Preempted` (a
+``KeyboardInterrupt``) naming the step; ``scripts/train.py`` prints that one line and exits 0
+(130 on the process that got a Ctrl-C). A signal before the first step stops with one line
+and writes no checkpoint. A second signal during a checkpoint's save is held until the save
+has finished (the newest step stays intact); elsewhere a second signal stops at once, without
+a checkpoint. With ``jax.distributed`` the processes agree on the step through JAX's
+preemption sync point (:func:`jax.experimental.multihost_utils.reached_preemption_sync_point`,
+asked once per step): the coordination service's notifier catches SIGTERM itself, tells the
+other processes, and all stop at the step after the fastest one's (SIGINT is passed on to it
+as SIGTERM); a single process (no ``jax.distributed``) checks a flag its handlers set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -112,42 +124,120 @@ def data_batches(spec: str, data_dir: str | None = None, tokenizer: str = "byte"
     return batches, source.vocab_size, tuple(source.splits)
 
 
-class _Interrupt:
-    """Turns SIGINT into a flag (main thread only) for the duration of a ``with`` block; a
-    second SIGINT raises ``KeyboardInterrupt`` at once."""
+class Preempted(KeyboardInterrupt):  # noqa: N818 -- a KeyboardInterrupt, not an error
+    """The run stopped on a signal: SIGTERM (a preemption notice, on this or another
+    process) or SIGINT (Ctrl-C), after checkpointing the step it had reached (``saved``; not
+    when it came before the first step or without a workdir)."""
+
+    def __init__(self, message: str, *, step: int, signal_name: str, saved: bool):
+        """Args:
+          message: the one line to show (names the step).
+          step: the step the run stopped at (the checkpoint's, where ``saved``).
+          signal_name: ``"SIGTERM"`` or ``"SIGINT"`` (this process's signal; ``"SIGTERM"``
+            for a notice that reached it through another process).
+          saved: whether a checkpoint of ``step`` was written.
+        """
+        super().__init__(message)
+        self.step, self.signal_name, self.saved = step, signal_name, saved
+
+
+#: Calls of JAX's preemption sync point in this process: every process asks it once per
+#: step, in the same order (one count for every Trainer a process runs).
+_SYNC_CALLS = itertools.count(1)
+
+
+def _preemption_service() -> bool:
+    """Whether JAX's preemption sync manager runs (``jax.distributed`` initialised with
+    ``jax_enable_preemption_service``): its notifier then owns SIGTERM."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.client is not None and state.preemption_sync_manager is not None
+
+
+class _Signals:
+    """SIGTERM and SIGINT as a stop request, checked between steps (main thread only;
+    re-entrant: ``train`` holds it over the Trainer's setup, ``Trainer.run`` over its steps).
+
+    A first signal sets :attr:`received`; under JAX's preemption service a SIGINT is passed on
+    as SIGTERM to the service's notifier, which owns SIGTERM (no Python handler replaces it).
+    A second signal during :meth:`saving` waits for the save; elsewhere it raises
+    ``KeyboardInterrupt`` at once."""
 
     def __init__(self):
-        self.requested = False
-        self._old = None
+        self.received: str | None = None  # the first signal this process got
+        self._depth = 0
+        self._old: dict[int, Any] = {}
+        self._saving = False
+        self._service = False
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
+        if self._depth == 0:
+            self.received, self._old = None, {}
+            self._service = _preemption_service()
+            if threading.current_thread() is threading.main_thread():
+                ours = [signal.SIGINT] + ([] if self._service else [signal.SIGTERM])
+                for signum in ours:
+                    self._old[signum] = signal.signal(signum, self._handle)
+        self._depth += 1
         return self
 
     def _handle(self, signum, frame):
-        del signum, frame
-        if self.requested:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.requested = True
+        del frame
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            if self._service:  # the coordination service spreads the notice
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self._saving:
+            log.warning("%s during a checkpoint's save: the save finishes first", name)
+            return
+        raise KeyboardInterrupt(f"second signal ({name}): stopped without a checkpoint")
+
+    def saving(self):
+        """A ``with`` block during which a second signal waits (a checkpoint being written)."""
+        signals = self
+
+        class _Saving:
+            def __enter__(self):
+                signals._saving = True
+
+            def __exit__(self, *exc):
+                signals._saving = False
+                return False
+
+        return _Saving()
 
     def stop_now(self, step: int, every: int) -> bool:
-        """Whether to stop before ``step``. With several processes the flag is agreed on (an
-        all-gather) every ``every`` steps, so that all processes stop at the same step even
-        if only one of them received the signal."""
+        """Whether to stop before ``step``. Under JAX's preemption service: its sync point
+        (every process stops at the same step, whichever received the signal); a single
+        process: the flag; several processes without the service: the flags, agreed on (an
+        all-gather) every ``every`` steps."""
+        if self._service:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(next(_SYNC_CALLS))
         if jax.process_count() == 1:
-            return self.requested
+            return self.received is not None
         if step % every:
             return False
         from jax.experimental import multihost_utils
 
-        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
+        flags = multihost_utils.process_allgather(np.asarray(self.received is not None,
+                                                             np.int32))
         return bool(np.any(flags))
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        self._depth -= 1
+        if self._depth == 0:
+            for signum, old in self._old.items():
+                signal.signal(signum, old)
+            self._old = {}
         return False
+
+
+_SIGNALS = _Signals()
 
 
 def _global_batch(local: np.ndarray, sharding, global_shape) -> jax.Array:
@@ -420,7 +510,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoints the carried state at the current step (no-op without a workdir)."""
         if self.checkpointer is not None:
-            with self.watch.phase("checkpoint"):
+            with self.watch.phase("checkpoint"), _SIGNALS.saving():
                 self.checkpointer.save(
                     self.step, {"params": self.params, "opt_state": self.opt_state},
                     data_position=self.data_position, skipped=int(self.opt_state.skipped),
@@ -502,8 +592,8 @@ class Trainer:
             ``train.num_steps``).
 
         Raises:
-          KeyboardInterrupt: on Ctrl-C, after logging the partial window and saving a
-            checkpoint of the last completed step.
+          Preempted: on SIGTERM or SIGINT (a ``KeyboardInterrupt``), after logging the partial
+            window and saving a checkpoint of the last completed step (see the module).
           TrainingStalledError: too many consecutive skipped steps (checkpoint saved).
         """
         tc = self.tc
@@ -534,15 +624,12 @@ class Trainer:
             self._log_window(window, window_s, refreshes)
             window, refreshes, window_s = [], 0, 0.0
 
-        with _Interrupt() as interrupt:
+        with _SIGNALS as signals:
             while self.step < end:
-                if interrupt.stop_now(self.step, tc.log_every):
+                if signals.stop_now(self.step, tc.log_every):
                     if window:
                         flush()
-                    self.save()
-                    raise KeyboardInterrupt(
-                        f"interrupted at step {self.step}; checkpoint saved"
-                        if self.checkpointer else f"interrupted at step {self.step}")
+                    self._stop(signals.received or "SIGTERM")
                 batch = _global_batch(next(self._train_it), step_fn.batch_sharding, shape)
                 refresh = step_fn.refresh_due(self.step, self.opt_state)
                 self.params, self.opt_state, metrics = step_fn(self.params, self.opt_state,
@@ -573,6 +660,18 @@ class Trainer:
                     clock = time.perf_counter()
                 elif not window:
                     clock = time.perf_counter()  # the record's writing is not a train step
+
+    def _stop(self, name: str) -> None:
+        """Stops on the signal ``name``: checkpoints the current step (unless no step has run
+        in this process: nothing new to save) and raises :class:`Preempted` naming it."""
+        what = "interrupted" if name == "SIGINT" else f"preempted ({name})"
+        if not self._steps_run:
+            raise Preempted(f"{what} before the first step (step {self.step}): stopped, no "
+                            "checkpoint written", step=self.step, signal_name=name, saved=False)
+        self.save()
+        saved = self.checkpointer is not None
+        raise Preempted(f"{what} at step {self.step}" + ("; checkpoint saved" if saved else ""),
+                        step=self.step, signal_name=name, saved=saved)
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (also what ``summary.json`` holds)."""
@@ -686,8 +785,17 @@ def train(
       ConfigError: a bad setting (one line naming it and what is allowed).
       CheckpointMismatchError: ``resume`` with a checkpoint of another config.
       TrainingStalledError: ``train.max_consecutive_skips`` consecutive skipped steps.
-      KeyboardInterrupt: after saving a checkpoint, on Ctrl-C.
+      Preempted: on SIGTERM or SIGINT (a ``KeyboardInterrupt``), after saving a checkpoint
+        of the step reached (see the module).
     """
+    with _SIGNALS:  # a signal during the setup stops before the first step
+        return _train(config, workdir, resume=resume, data=data, data_dir=data_dir,
+                      batches=batches, eval_split=eval_split, stop_after=stop_after,
+                      show_progress=show_progress, compiler_options=compiler_options)
+
+
+def _train(config, workdir, *, resume, data, data_dir, batches, eval_split, stop_after,
+           show_progress, compiler_options) -> TrainResult:
     trainer = Trainer(config, workdir, resume=resume, data=data, data_dir=data_dir,
                       batches=batches, eval_split=eval_split, compiler_options=compiler_options,
                       show_progress=show_progress)

@@ -65,6 +65,7 @@ from gift_jax.training.checkpoint import (
     CheckpointMismatchError,
     DamagedCheckpointError,
     NoIntactCheckpointError,
+    write_manifest,
 )
 from gift_jax.training.program import program_for
 
@@ -263,7 +264,8 @@ def test_explicit_step_with_incomplete_metadata_is_named(interrupted_run, tmp_pa
     path = tmp_path / "run" / "checkpoints" / "4" / "meta" / "metadata"
     meta, size = json.loads(path.read_text()), path.stat().st_size
     del meta["paths"]
-    path.write_text(json.dumps(meta).ljust(size))  # the file listing's size: complete files
+    path.write_text(json.dumps(meta).ljust(size))
+    write_manifest(path.parents[1])  # a manifest that holds: the metadata is what is wrong
     checkpointer = Checkpointer(str(tmp_path / "run"), config)
     with pytest.raises(DamagedCheckpointError, match=r"\(step 4\): its metadata has no "
                                                      r"\['paths'\]"):
