@@ -46,6 +46,8 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
+import time
 import zlib
 from typing import Any
 
@@ -141,8 +143,9 @@ def _mine(items: list) -> list:
 
 def _is_marker(path: str) -> bool:
     """Whether ``path`` is orbax's commit marker for object stores, which orbax may still be
-    writing when the manifest is (multi-process): neither its size nor its bytes are checked;
-    the manifest, written after the commit, is the commit."""
+    writing when the manifest is (several processes): it is left out of the manifest (and
+    not checked in a former listing); the manifest, written after the commit, is the
+    commit."""
     return epath.Path(path).name == "commit_success.txt"
 
 
@@ -163,15 +166,13 @@ def write_manifest(root: epath.Path | str) -> dict[str, Any]:
     """
     root = epath.Path(root)
     sizes = _file_sizes(root)
-    paths = sorted(sizes)
+    paths = sorted(p for p in sizes if not _is_marker(p))  # the same list on every process
     crcs = np.zeros(len(paths), np.uint32)  # (not int64: JAX without x64 gathers int32)
     for i in _mine(list(range(len(paths)))):
-        if not _is_marker(paths[i]):
-            crcs[i] = file_checksum(root / paths[i])
+        crcs[i] = file_checksum(root / paths[i])
     if jax.process_count() > 1:  # each entry comes from one process, the others hold 0
         crcs = np.asarray(multihost_utils.process_allgather(crcs)).max(axis=0)
-    files = {p: [int(sizes[p]), None if _is_marker(p) else int(c)]
-             for p, c in zip(paths, crcs, strict=True)}
+    files = {p: [int(sizes[p]), int(c)] for p, c in zip(paths, crcs, strict=True)}
     manifest = {"version": MANIFEST_VERSION, "checksum": "crc32", "files": files,
                 "digest": _entries_digest(files)}
     if jax.process_index() == 0:
@@ -303,8 +304,7 @@ class Checkpointer:
             from zero); ``None``: not recorded, and a restore assumes the same mesh.
           checksums: write each step's manifest with CRC-32s (:func:`write_manifest`);
             ``False`` writes the former listing of sizes only (the cost measurement's
-            baseline, :func:`gift_jax.training.checkpoint_cost.checksum_cost`). Restores
-            check whatever a step holds.
+            baseline, :func:`checksum_cost`). Restores check whatever a step holds.
         """
         self.directory = str(epath.Path(local_or_url(workdir)) / "checkpoints")
         self.config = config
@@ -583,3 +583,71 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def checksum_cost(directory: str, num_params: int = 10**9, *, leaves: int = 8,
+                  repeats: int = 2) -> dict[str, float]:
+    """What the checksums cost: a float32 state of ``num_params`` values (``leaves`` arrays)
+    saved and restored by :class:`Checkpointer` with and without them, interleaved, the best
+    of ``repeats`` each. Without them is the former format (orbax, then a listing of sizes);
+    with them, the manifest's CRC-32s are computed after the save and verified before the
+    restore. Files are read back from the page cache where the host has the memory (as right
+    after a save).
+
+    Args:
+      directory: a scratch folder (local or object store); each checkpoint is deleted after
+        it is measured.
+      num_params: float32 values in the state (1e9: 4 GB).
+      leaves: arrays the values are split into.
+      repeats: rounds of (without, with); the minimum of each is reported.
+
+    Returns:
+      ``{"params", "bytes", "save_s", "save_checksums_s", "restore_s",
+      "restore_checksums_s", "write_checksums_s", "verify_s", "checksum_GB_per_s"}``:
+      seconds of the saves and restores without and with checksums, the checksums' own
+      share of each (``write_checksums_s``: :func:`write_manifest`; ``verify_s``:
+      :func:`verify_manifest`), and the checksum rate.
+    """
+    import jax.numpy as jnp
+
+    config = ml_collections.ConfigDict({"bench": {"num_params": int(num_params)}})
+    per = num_params // leaves
+    key = jax.random.key(0)
+    state = {f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (per,), jnp.float32)
+             for i in range(leaves)}
+    jax.block_until_ready(state)
+    nbytes = sum(int(x.nbytes) for x in state.values())
+    best: dict[str, float] = {}
+
+    def keep(name: str, seconds: float) -> None:
+        best[name] = min(best.get(name, math.inf), seconds)
+
+    for r in range(repeats):
+        for checksums in (False, True):
+            tag = "_checksums" if checksums else ""
+            workdir = epath.Path(directory) / f"round{r}{tag}"
+            ckpt = Checkpointer(str(workdir), config, keep=1, checksums=checksums)
+            start = time.perf_counter()
+            ckpt.save(1, state, data_position=0)
+            keep(f"save{tag}_s", time.perf_counter() - start)
+            root = epath.Path(ckpt.directory) / "1"
+            if checksums:
+                start = time.perf_counter()
+                write_manifest(root)  # again, alone: the checksums' share of the save
+                keep("write_checksums_s", time.perf_counter() - start)
+                start = time.perf_counter()
+                verify_manifest(root)
+                keep("verify_s", time.perf_counter() - start)
+            start = time.perf_counter()
+            restored = ckpt.restore(state)
+            jax.block_until_ready(restored.state)
+            keep(f"restore{tag}_s", time.perf_counter() - start)
+            del restored
+            ckpt.close()
+            if workdir.exists():
+                if str(workdir).startswith(("gs://", "s3://")):
+                    workdir.rmtree()
+                else:
+                    shutil.rmtree(workdir)
+    best["checksum_GB_per_s"] = nbytes / 1e9 / best["verify_s"]
+    return {"params": int(per * leaves), "bytes": nbytes, **best}
