@@ -17,7 +17,8 @@ kill) and SIGINT stop the run between steps: every process finishes the step it 
 the partial window, writes a checkpoint of that step and raises :class:`Preempted` (a
 ``KeyboardInterrupt``) naming the step; ``scripts/train.py`` prints that one line and exits 0
 (130 on the process that got a Ctrl-C). A signal before the first step stops with one line
-and writes no checkpoint. A second signal during a checkpoint's save is held until the save
+and writes no checkpoint (SIGTERM during the setup is held until it ends; Ctrl-C there stops
+at once, as before). A second signal during a checkpoint's save is held until the save
 has finished (the newest step stays intact); elsewhere a second signal stops at once, without
 a checkpoint. With ``jax.distributed`` the processes agree on the step through JAX's
 preemption sync point (:func:`jax.experimental.multihost_utils.reached_preemption_sync_point`,
@@ -162,13 +163,16 @@ class _Signals:
     A first signal sets :attr:`received`; under JAX's preemption service a SIGINT is passed on
     as SIGTERM to the service's notifier, which owns SIGTERM (no Python handler replaces it).
     A second signal during :meth:`saving` waits for the save; elsewhere it raises
-    ``KeyboardInterrupt`` at once."""
+    ``KeyboardInterrupt`` at once. During :meth:`setup` (a Trainer's construction: data
+    preparation, compilation) SIGINT raises ``KeyboardInterrupt`` at once, as Python's own
+    handler does, while SIGTERM is noted and stops the run before its first step."""
 
     def __init__(self):
         self.received: str | None = None  # the first signal this process got
         self._depth = 0
         self._old: dict[int, Any] = {}
         self._saving = False
+        self._setup = False
         self._service = False
 
     def __enter__(self):
@@ -185,6 +189,8 @@ class _Signals:
     def _handle(self, signum, frame):
         del frame
         name = signal.Signals(signum).name
+        if self._setup and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         if self.received is None:
             self.received = name
             if self._service:  # the coordination service spreads the notice
@@ -197,17 +203,24 @@ class _Signals:
 
     def saving(self):
         """A ``with`` block during which a second signal waits (a checkpoint being written)."""
+        return self._while("_saving")
+
+    def setup(self):
+        """A ``with`` block during which SIGINT stops at once (a Trainer's construction)."""
+        return self._while("_setup")
+
+    def _while(self, attribute: str):
         signals = self
 
-        class _Saving:
+        class _While:
             def __enter__(self):
-                signals._saving = True
+                setattr(signals, attribute, True)
 
             def __exit__(self, *exc):
-                signals._saving = False
+                setattr(signals, attribute, False)
                 return False
 
-        return _Saving()
+        return _While()
 
     def stop_now(self, step: int, every: int) -> bool:
         """Whether to stop before ``step``. Under JAX's preemption service: its sync point
@@ -796,9 +809,10 @@ def train(
 
 def _train(config, workdir, *, resume, data, data_dir, batches, eval_split, stop_after,
            show_progress, compiler_options) -> TrainResult:
-    trainer = Trainer(config, workdir, resume=resume, data=data, data_dir=data_dir,
-                      batches=batches, eval_split=eval_split, compiler_options=compiler_options,
-                      show_progress=show_progress)
+    with _SIGNALS.setup():
+        trainer = Trainer(config, workdir, resume=resume, data=data, data_dir=data_dir,
+                          batches=batches, eval_split=eval_split,
+                          compiler_options=compiler_options, show_progress=show_progress)
     try:
         if trainer.already_finished:
             summary = _read_summary(trainer.workdir) or trainer.summary()

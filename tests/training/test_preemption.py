@@ -97,19 +97,34 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_bit_exactly(reference
     assert_trees_equal(resumed.opt_state, full.opt_state)
 
 
-def test_a_signal_before_the_first_step_writes_nothing(reference, tmp_path):
+@pytest.mark.parametrize("when", ["setup", "loop"])
+def test_a_signal_before_the_first_step_writes_nothing(when, reference, tmp_path):
+    """SIGTERM while the evaluation batches are prepared (the Trainer's setup), or as the
+    train iterator is made: one line, no checkpoint. Ctrl-C during the setup stops at once."""
     config, _ = reference
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.train.eval_every = 100
+    split = "validation" if when == "setup" else "train"
 
-    def batches(split, *args, **kwargs):  # the signal comes as the train iterator is made
-        if split == "train":
-            os.kill(os.getpid(), signal.SIGTERM)
-        return synthetic_batches(split, *args, **kwargs)
+    def batches(signum):
+        def make(name, *args, **kwargs):
+            if name == split:
+                os.kill(os.getpid(), signum)
+            return synthetic_batches(name, *args, **kwargs)
+
+        return make
 
     with pytest.raises(Preempted, match=r"before the first step \(step 0\): stopped, no "
                                         r"checkpoint written") as e:
-        run(config, str(tmp_path), batches=batches)
+        run(config, str(tmp_path / "term"), batches=batches(signal.SIGTERM))
     assert not e.value.saved
-    assert _steps(tmp_path) == []
+    assert _steps(tmp_path / "term") == []
+    if when == "setup":
+        with pytest.raises(KeyboardInterrupt) as e:
+            run(config, str(tmp_path / "int"), batches=batches(signal.SIGINT))
+        assert not isinstance(e.value, Preempted)
+        assert _steps(tmp_path / "int") == []
 
 
 def test_a_second_signal_during_the_save_waits_for_it(reference, tmp_path, monkeypatch, caplog):
