@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import logging
 import math
 import numbers
 import os
@@ -29,15 +30,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import ml_collections
+from etils import epath
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
-from gift_jax.data.storage import is_remote
+from gift_jax.data.storage import is_remote, local_or_url
 from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
 from gift_jax.training.defaults import default_config
 from gift_jax.training.mesh import mesh_shape
 from gift_jax.training.optimizers import OPTIMIZER_NAMES, get_optimizer
 from gift_jax.utils.tree_paths import unmatched
 from gift_jax.whitening.factors import EIG_METHODS
+
+log = logging.getLogger(__name__)
 
 #: ``comm.codec`` values (the all-reduce's wire format).
 CODECS = CODEC_NAMES
@@ -63,8 +67,16 @@ OPTIMIZERS = OPTIMIZER_NAMES
 SCHEDULES = ("cosine", "linear", "constant")
 SCALINGS = ("tensor", "block")
 PROJECTORS = ("plumage", "galore", "flora")
-#: ``data.pipeline`` values (:func:`gift_jax.training.loop.data_batches`).
-PIPELINES = ("grid", "stream")
+#: ``data.pipeline`` values (:func:`gift_jax.training.loop.data_batches`); ``"auto"`` (the
+#: default) is resolved to one of the others by :func:`resolve_data_pipeline`.
+PIPELINES = ("auto", "grid", "stream")
+#: The one corpus whose grid pass before step 1 is known to be small: the bundled plays
+#: (about 5 MB; a few seconds with any tokenizer). ``data.pipeline='auto'`` takes ``grid``
+#: for it and ``stream`` for every ``text:``/``tfds:`` corpus, whose size it cannot know.
+BUNDLED_CORPUS = "shakespeare"
+#: Settings whose default changed, with the value they had before: a checkpoint that lacks
+#: one ran with it (:func:`config_differences`, :func:`resolve_data_pipeline`).
+FORMER_DEFAULTS: dict[str, Any] = {"data.pipeline": "grid"}
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
 #: ``gift.route_frame`` values: :data:`gift_jax.whitening.stage.ROUTE_FRAMES` plus
 #: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
@@ -507,6 +519,9 @@ def _validate_tokenizer(config) -> None:
     if parse_tokenizer(value) is None:
         raise ConfigError(f"data.tokenizer={value!r} is not supported; allowed: {TOKENIZER_HELP}")
     _choice(config, "data.pipeline", PIPELINES)
+    line = resolve_data_pipeline(config)
+    if line is not None:
+        log.info(line)
     workers = config.data.workers
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < -1:
         raise ConfigError(f"data.workers={workers!r} must be an int >= -1 (-1: the host's "
@@ -521,8 +536,75 @@ def _validate_tokenizer(config) -> None:
                           "pipeline caches its whole token stream by itself)")
 
 
+def _checkpoint_pipeline(workdir: str) -> str | None:
+    """The ``data.pipeline`` of the newest checkpoint in ``workdir`` whose stored config reads
+    (:data:`FORMER_DEFAULTS`'s ``grid`` for one written before the setting), or ``None``
+    where there is none. Reads the metadata file that
+    :class:`~gift_jax.training.checkpoint.Checkpointer` writes for each step
+    (``<workdir>/checkpoints/<step>/meta/metadata``, orbax's JSON item); anything unreadable is
+    passed over (a damaged checkpoint is the restore's to report)."""
+    if not workdir:
+        return None
+    root = epath.Path(local_or_url(workdir)) / "checkpoints"
+    try:
+        steps = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for step in steps:
+        try:
+            stored = json.loads(json.loads((root / str(step) / "meta" / "metadata")
+                                           .read_text())["config"])
+            return str(stored.get("data.pipeline", FORMER_DEFAULTS["data.pipeline"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
+
+
+def resolve_data_pipeline(config: ml_collections.ConfigDict) -> str | None:
+    """Resolves ``data.pipeline='auto'`` in place, and says how in one line.
+
+    ``auto`` becomes, in this order:
+
+    * the pipeline the newest checkpoint in ``train.workdir`` was written with (``grid`` for
+      one written before the setting existed, when ``grid`` was the default), so that a run
+      resumes with the batches it was reading;
+    * ``grid`` for the bundled corpus (:data:`BUNDLED_CORPUS`): its pass over the whole split
+      before step 1 is small, and the demo's figures are the grid's;
+    * ``stream`` for ``text:DIR`` and ``tfds:NAME`` corpora: nothing but the first batch's
+      documents is read before step 1, whatever the corpus's size.
+
+    An explicit ``grid`` or ``stream`` is left as it is. The resolved value is what the run
+    stores with its checkpoints.
+
+    Args:
+      config: a completed config (``data.source`` and ``train.workdir`` as the run has them).
+
+    Returns:
+      The line to log (``None`` where ``data.pipeline`` was not ``auto``).
+    """
+    if config.data.pipeline != "auto":
+        return None
+    workdir = config.train.get("workdir", "")
+    stored = _checkpoint_pipeline(workdir)
+    source = config.data.get("source", BUNDLED_CORPUS)
+    if stored in ("grid", "stream"):
+        pipeline, why = stored, f"the pipeline of the checkpoints in {workdir}"
+    elif source == BUNDLED_CORPUS:
+        pipeline, why = "grid", (f"the bundled corpus ({BUNDLED_CORPUS}) is small enough to "
+                                 "read whole before step 1")
+    else:
+        pipeline, why = "stream", (f"{source} is read as training consumes it, nothing "
+                                   "before step 1 but the first batch's documents")
+    with config.unlocked():
+        config.data.pipeline = pipeline
+    return f"data.pipeline=auto -> {pipeline!r}: {why}"
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
-    """Checks every trainer setting against ``num_devices`` data-parallel devices.
+    """Checks every trainer setting against ``num_devices`` data-parallel devices, and
+    resolves ``data.pipeline='auto'`` in place (:func:`resolve_data_pipeline`: the one
+    setting that depends on ``data.source`` and ``train.workdir``, known only here), logging
+    the choice in one line.
 
     Args:
       config: a completed config.
@@ -805,7 +887,10 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
     """``"name: stored != current"`` for every field that matters for resuming.
 
     A field the checkpoint lacks whose current value is its :data:`TRAINER_DEFAULTS` value is
-    not a difference: the checkpoint predates the setting and ran with that behaviour. A
+    not a difference: the checkpoint predates the setting and ran with that behaviour (with
+    its :data:`FORMER_DEFAULTS` value where the default has changed since). A current
+    ``data.pipeline='auto'`` (a config not yet resolved by :func:`validate_config`) matches
+    any stored pipeline: resuming, it resolves to the checkpoint's. A
     checkpoint's former ``comm.mode`` is compared as its ``comm.codec`` + ``comm.method``
     (:data:`LEGACY_COMM_MODES`), so runs written before the split resume bit-exactly.
 
@@ -829,7 +914,11 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
     diffs = []
     for name in names:
         a, b = stored.get(name, missing), current.get(name, missing)
-        if a is missing and name in defaults and b == defaults[name]:
+        if name == "data.pipeline" and b == "auto":
+            continue  # auto resolves to the checkpoint's pipeline (resolve_data_pipeline)
+        if a is missing and name in FORMER_DEFAULTS:
+            a = FORMER_DEFAULTS[name]
+        elif a is missing and name in defaults and b == defaults[name]:
             continue
         if a != b:
             a = "<absent>" if a is missing else repr(a)

@@ -99,8 +99,9 @@ class Program:
 
 def _key(config: ml_collections.ConfigDict, mesh: Mesh, compiler_options,
          update_rule) -> tuple:
+    # data.pipeline enters no compiled program; validation resolves its "auto" in place
     fields = {k: v for k, v in json.loads(to_json(config)).items()
-              if k not in RUN_CONTROL_FIELDS}
+              if k not in RUN_CONTROL_FIELDS and k != "data.pipeline"}
     devices = tuple(int(d.id) for d in mesh.devices.flat)
     options = json.dumps(compiler_options or {}, sort_keys=True, default=str)
     rule = None if update_rule is None else id(update_rule)

@@ -5,6 +5,7 @@ the one-device warning, and the one-line endings of ``scripts/train.py``.
 Also: settings the trainer itself refuses (end to end, marked slow), and the former ``comm.mode``
 vocabulary translated into ``comm.codec`` + ``comm.method``."""
 
+import json
 import logging
 import os
 import pathlib
@@ -12,6 +13,7 @@ import runpy
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 from trainer_kit import MODES, legacy_config, recipe_of, script_env, small_config
 
@@ -23,8 +25,12 @@ from gift_jax.training import (
     validate_config,
 )
 from gift_jax.training.config import (
+    config_differences,
     load_config,
     nothing_to_communicate,
+    resolve_data_pipeline,
+    set_fields,
+    to_json,
     validate_layer_patterns,
 )
 
@@ -218,7 +224,7 @@ def test_train_script_simulates_cpu_devices_unless_told_otherwise():
      ({"train.grad_accum_steps": 3}, r"train\.grad_accum_steps=3 must divide"),
      ({"mesh.intra_size": 3}, r"mesh\.intra_size=3 must divide"),
      ({"data.pipeline": "tfdata"}, r"data\.pipeline='tfdata' is not supported; allowed: "
-                                   r"grid, stream"),
+                                   r"auto, grid, stream"),
      ({"data.workers": -2}, r"data\.workers=-2 must be an int >= -1 \(-1: the host's cores"),
      ({"data.pipeline": "stream", "data.id_cache": "gs://bucket/ids"},
       r"data\.id_cache='gs://bucket/ids' must be a local directory or ''"),
@@ -327,3 +333,93 @@ def test_load_config_names_missing_files_and_missing_get_config(tmp_path):
     with pytest.raises(ConfigError, match="bad.py' defines no get_config"):
         load_config(bad)
 
+
+
+# ---- data.pipeline='auto' ---------------------------------------------------------------------
+
+
+def _with_data(source="shakespeare", workdir="", **fields):
+    return set_fields(tiny(), {"data.source": source, "train.workdir": workdir, **fields})
+
+
+@pytest.mark.parametrize("source,pipeline", [("shakespeare", "grid"), ("text:/corpus", "stream"),
+                                             ("tfds:c4/en:3.0.1", "stream")])
+def test_auto_pipeline_streams_every_corpus_but_the_bundled_one(source, pipeline, caplog):
+    """The default ``auto`` takes the grid for the bundled corpus only (its pass is small, and
+    the demo's figures are the grid's), the stream for a corpus of unknown size; validation
+    resolves it in place and says so in one line; an explicit setting wins."""
+    assert complete_config(ml_collections.ConfigDict()).data.pipeline == "auto"
+    config = _with_data(source)
+    with caplog.at_level(logging.INFO, logger="gift_jax.training.config"):
+        validate_config(config, 8)
+    assert config.data.pipeline == pipeline
+    lines = [r.getMessage() for r in caplog.records if "data.pipeline" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"data.pipeline=auto -> {pipeline!r}: ")
+    assert ("bundled" in lines[0]) is (pipeline == "grid")
+    validate_config(config, 8)  # resolved: nothing more to say
+    assert len([r for r in caplog.records if "data.pipeline" in r.getMessage()]) == 1
+    for explicit in ("grid", "stream"):
+        config = _with_data(source, **{"data.pipeline": explicit})
+        assert resolve_data_pipeline(config) is None and config.data.pipeline == explicit
+    # id_cache needs the stream: fine where auto streams, one line where it takes the grid
+    config = _with_data(source, **{"data.id_cache": "/tmp/ids"})
+    if pipeline == "stream":
+        validate_config(config, 8)
+    else:
+        with pytest.raises(ConfigError, match=r"needs data\.pipeline='stream'"):
+            validate_config(config, 8)
+
+
+def _write_checkpoint(workdir, config, monkeypatch=None, drop=()):
+    """A real checkpoint of a two-leaf state in ``workdir``, its stored config without the
+    settings in ``drop`` (as one written before they existed)."""
+    import jax.numpy as jnp
+
+    from gift_jax.training import checkpoint
+
+    if drop:
+        original = checkpoint.to_json
+        monkeypatch.setattr(checkpoint, "to_json", lambda c: json.dumps(
+            {k: v for k, v in json.loads(original(c)).items() if k not in drop}))
+    ckpt = checkpoint.Checkpointer(str(workdir), config)
+    ckpt.save(3, {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}, data_position=3)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("stored,drop", [("grid", ()), ("stream", ()),
+                                         ("grid", ("data.pipeline",))])
+def test_auto_pipeline_resumes_with_the_checkpoints_pipeline(tmp_path, monkeypatch, stored,
+                                                              drop):
+    """A checkpoint written with the former default (``grid``, stored or, before the setting,
+    absent) resumes with the grid on a ``text:`` corpus under ``auto``: the run reads the
+    batches it was reading, and the stored config matches the resolved one."""
+    written = _with_data("text:/corpus", str(tmp_path), **{"data.pipeline": stored})
+    _write_checkpoint(tmp_path, written, monkeypatch, drop)
+    resumed = _with_data("text:/corpus", str(tmp_path))
+    line = resolve_data_pipeline(resumed)
+    assert resumed.data.pipeline == stored and "checkpoints" in line, line
+    from gift_jax.training.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path), resumed)
+    try:
+        assert ckpt.check_config()["step"] == 3  # no difference reported
+    finally:
+        ckpt.close()
+    # without a checkpoint the same config streams; a stream config against the grid
+    # checkpoint is a difference named in one line
+    assert resolve_data_pipeline(_with_data("text:/corpus", str(tmp_path / "new"))) is not None
+    other = set_fields(resumed, {"data.pipeline": "stream" if stored == "grid" else "grid"})
+    stored_json = json.dumps({k: v for k, v in json.loads(to_json(written)).items()
+                              if k not in drop})
+    assert [d for d in config_differences(stored_json, other) if d.startswith("data.")] == [
+        f"data.pipeline: {stored if not drop else 'grid'!r} (checkpoint) != "
+        f"{other.data.pipeline!r} (now)"]
+
+
+def test_an_unresolved_auto_pipeline_matches_the_checkpoints():
+    """``auto`` not yet resolved (a Checkpointer built from a completed config) is no
+    difference from a stored pipeline: resuming, it resolves to it."""
+    stored = to_json(_with_data(**{"data.pipeline": "grid"}))
+    assert config_differences(stored, _with_data()) == []
+    assert config_differences(stored, _with_data(**{"data.pipeline": "stream"})) == [
+        "data.pipeline: 'grid' (checkpoint) != 'stream' (now)"]
