@@ -121,7 +121,8 @@ def file_checksum(path: epath.Path | str) -> int:
     """The CRC-32 (:func:`zlib.crc32`) of a file's bytes, read in 16 MiB chunks.
 
     CRC-32 finds every flipped bit and every burst of up to 32 bits, and any other change but
-    for one chance in 2^32; it is in the standard library and checks several GB/s.
+    for one chance in 2^32; it is in the standard library (about 3 GB/s on one core here,
+    1.6 GB/s with the reads: :func:`checksum_cost`).
 
     Args:
       path: the file, local or an object-store URL.

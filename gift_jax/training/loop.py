@@ -153,7 +153,8 @@ def _preemption_service() -> bool:
     from jax._src import distributed
 
     state = distributed.global_state
-    return state.client is not None and state.preemption_sync_manager is not None
+    return (getattr(state, "client", None) is not None
+            and getattr(state, "preemption_sync_manager", None) is not None)
 
 
 class _Signals:
