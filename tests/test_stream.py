@@ -3,6 +3,7 @@ on neither the worker nor the process count, disjoint per-process documents that
 global batch, exact resume from a saved state, no pass over the split before the first batch,
 bad input as one line, and bit-exact trainer resume."""
 
+import copy
 import json
 import os
 import runpy
@@ -274,3 +275,41 @@ def test_json_lines_are_one_record_each(tmp_path):
     (corpus / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(DataError, match=r"c.jsonl line 2 is not a JSON object with a \"text\""):
         get_source(f"text:{tmp_path / 'c4'}", str(tmp_path / "dd2"))
+
+
+@pytest.mark.slow
+def test_a_grid_checkpoint_of_a_text_corpus_resumes_with_the_grid_under_auto(tmp_path):
+    """A run of the former default (``grid``) on a ``text:DIR`` corpus, stopped at step 3,
+    resumes under today's default ``auto`` with the grid (the checkpoint's pipeline), bit for
+    bit the uninterrupted grid run; the same config in a new workdir streams."""
+    from gift_jax.training import train
+    from gift_jax.training.config import complete_config, set_fields
+
+    text = tmp_path / "corpus"
+    text.mkdir()
+    for i, doc in enumerate(_docs(60, seed=3)):
+        (text / f"doc{i:03d}.txt").write_text(doc)
+    data = dict(data=f"text:{text}", data_dir=str(tmp_path / "dd"), show_progress=False)
+    config = set_fields(complete_config(runpy.run_path(os.path.join(
+        ROOT, "configs", "tiny.py"))["get_config"]()), {
+        "data.workers": 0, "train.num_steps": 6, "train.checkpoint_every": 3,
+        "train.eval_every": 0, "train.log_every": 3, "train.global_batch_size": 8,
+        "train.seq_len": 32, "model.max_seq_len": 32, "optimizer.warmup_steps": 2})
+    assert config.data.pipeline == "auto"
+    grid = set_fields(copy.deepcopy(config), {"data.pipeline": "grid"})
+    whole = train(grid, str(tmp_path / "whole"), **data)
+    train(grid, str(tmp_path / "split"), stop_after=3, **data)
+    resumed = train(config, str(tmp_path / "split"), resume=True, **data)
+    import jax
+
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    meta = json.loads((tmp_path / "split" / "checkpoints" / "6" / "meta" / "metadata"
+                       ).read_text())
+    assert json.loads(meta["config"])["data.pipeline"] == "grid"
+    fresh = train(config, str(tmp_path / "fresh"), stop_after=3, **data)
+    meta = json.loads((tmp_path / "fresh" / "checkpoints" / "3" / "meta" / "metadata"
+                       ).read_text())
+    assert json.loads(meta["config"])["data.pipeline"] == "stream" and fresh.step == 3
+    assert meta["data_state"] is not None  # the stream's lanes
