@@ -47,8 +47,14 @@ def parse_args(argv=None):
                              "'slice' (default: the replicas of one slice when --slices > 1, "
                              "so only the quantized bytes cross the data-centre network; flat "
                              "on one slice), 1 (flat) or a number")
-    parser.add_argument("--modes", default="fp32,fp8,gift_fp8,plumage_fp8",
-                        help="comma-separated, of: fp32, fp8, gift_fp8, plumage_fp8")
+    parser.add_argument("--modes", default="xla_bf16,xla_fp32,fp32,fp8,gift_fp8,plumage_fp8",
+                        help="comma-separated, of: xla_bf16, xla_fp32 (XLA's own reduction: a "
+                             "plain jit with shardings, the model in bf16 or fp32), fp32, fp8, "
+                             "gift_fp8, plumage_fp8")
+    parser.add_argument("--flags", default="default", choices=("default", "maxtext", "both"),
+                        help="with --topology: compile with the TPU compiler's defaults, with "
+                             "maxtext's data-parallel overlap flags (pod.overlap_flags), or both "
+                             "(one row each)")
     parser.add_argument("--refresh", action="store_true",
                         help="also compile the GIFT/PLUMAGE refresh variants")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -62,12 +68,12 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def _child_rows(argv, mesh: str, mode: str) -> tuple[list[dict], str | None]:
+def _child_rows(argv, mesh: str, mode: str, flags: str) -> tuple[list[dict], str | None]:
     """Compiles one (mesh, mode) in a child process: its rows, or why it failed (one line).
     A child keeps the compiler's memory per configuration (a 7B compile peaks near 15 GB of
     host memory) and survives libtpu aborting on a CHECK."""
     args = [a for a in argv if a not in ("--in_process",)]
-    drop = {"--mesh", "--modes", "--out"}
+    drop = {"--mesh", "--modes", "--out", "--flags"}
     kept, skip = [], False
     for a in args:
         if skip:
@@ -79,7 +85,8 @@ def _child_rows(argv, mesh: str, mode: str) -> tuple[list[dict], str | None]:
         if a.split("=", 1)[0] in drop:
             continue
         kept.append(a)
-    cmd = [sys.executable, __file__, *kept, f"--mesh={mesh}", f"--modes={mode}", "--in_process"]
+    cmd = [sys.executable, __file__, *kept, f"--mesh={mesh}", f"--modes={mode}",
+           f"--flags={flags}", "--in_process"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode == 0:
@@ -120,7 +127,15 @@ def main(argv=None) -> int:
     if devices:
         simulate_cpu_devices(devices)  # an XLA_FLAGS count set before this script wins
 
-    from gift_jax.apps.pod import MODES, compile_mode, markdown_table, mode_config
+    from gift_jax.apps.pod import (
+        MODES,
+        XLA_MODES,
+        compile_mode,
+        markdown_table,
+        mode_config,
+        overlap_flags,
+    )
+    from gift_jax.apps.pod_estimate import chip
     from gift_jax.training.config import ConfigError, apply_overrides, load_config
     from gift_jax.training.mesh import device_grid, mesh_shape
     from gift_jax.utils import tpu
@@ -130,6 +145,7 @@ def main(argv=None) -> int:
         topology = None
         if args.topology:
             topology = tpu.parse_topology(args.topology, args.slices)
+            chip(topology.generation, multislice=topology.slices > 1)  # its bandwidths known
             pod = tpu.topology_devices(topology)
             print(f"compiler: TPU (libtpu), {topology.label}: {len(pod)} chips of "
                   f"{pod[0].device_kind}, {tpu.HBM_GIB[topology.generation]} GiB HBM each",
@@ -144,9 +160,12 @@ def main(argv=None) -> int:
         config = load_config(args.config, configs)
         config = apply_overrides(config, [tuple(s.split("=", 1)) for s in args.set])
         modes = args.modes.split(",")
-        unknown = [m for m in modes if m not in MODES]
+        unknown = [m for m in modes if m not in {**MODES, **XLA_MODES}]
         if unknown:
-            raise ConfigError(f"--modes {unknown} unknown; allowed: {', '.join(MODES)}")
+            raise ConfigError(f"--modes {unknown} unknown; allowed: "
+                              f"{', '.join([*XLA_MODES, *MODES])}")
+        flag_sets = {"default": ["default"], "maxtext": ["maxtext"],
+                     "both": ["default", "maxtext"]}[args.flags if topology else "default"]
         n = len(pod)  # default with --topology: fsdp 8 (fewer on small slices), data the rest
         default = [f"-1,{8 if n >= 16 else max(1, n // 2)},1"] if topology is not None \
             else ["8,8,1", "8,4,2"]
@@ -165,17 +184,20 @@ def main(argv=None) -> int:
                             intra_size(args.intra, meshes[-1][0], args.slices))
         rows, failed = [], []
         for mesh in meshes:
-            for mode in modes:
+            for mode, flags in ((m, f) for m in modes for f in flag_sets):
                 if topology is not None and not args.in_process:
                     got, reason = _child_rows(sys.argv[1:] if argv is None else list(argv),
-                                              ",".join(map(str, mesh)), mode)
+                                              ",".join(map(str, mesh)), mode, flags)
                     if reason:
-                        failed.append(f"{mode} on {'x'.join(map(str, mesh))}: {reason}")
+                        failed.append(f"{mode} ({flags} flags) on "
+                                      f"{'x'.join(map(str, mesh))}: {reason}")
                         print(f"error: {failed[-1]}", file=sys.stderr, flush=True)
                 else:
+                    options = overlap_flags(topology.generation) if flags == "maxtext" else None
                     got = [r.row() for r in compile_mode(
                         config, mode, mesh, pod, refresh=args.refresh, topology=topology,
-                        intra=intra_size(args.intra, mesh[0], args.slices))]
+                        intra=intra_size(args.intra, mesh[0], args.slices),
+                        compiler_options=options)]
                 for row in got:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -199,7 +221,7 @@ def main(argv=None) -> int:
 
 
 #: What identifies a row of a table in --out: a later compile of the same key replaces it.
-ROW_KEY = ("compiler", "topology", "mode", "mesh", "reduction", "variant")
+ROW_KEY = ("compiler", "topology", "mode", "mesh", "reduction", "variant", "flags")
 
 
 def merge_rows(path: pathlib.Path, rows: list[dict]) -> list[dict]:

@@ -104,9 +104,38 @@ def test_pod_unknown_mode_names_the_allowed_ones():
     from gift_jax.apps.pod import MODES, compile_mode, mode_config
     from gift_jax.training.config import ConfigError
 
-    match = r"mode='fp16' is not supported; allowed modes: fp32, fp8, gift_fp8, plumage_fp8"
+    match = (r"mode='fp16' is not supported; allowed modes: fp32, fp8, gift_fp8, plumage_fp8, "
+             r"xla_bf16, xla_fp32$")
     assert tuple(MODES) == ("fp32", "fp8", "gift_fp8", "plumage_fp8")
     with pytest.raises(ConfigError, match=match):  # a ValueError, not a bare KeyError
         mode_config(ml_collections.ConfigDict(), "fp16", (8, 1, 1), 8)
     with pytest.raises(ConfigError, match=match):
         compile_mode(ml_collections.ConfigDict(), "fp16", (8, 1, 1))
+
+
+
+@pytest.mark.parametrize("mode,dtype", [("xla_bf16", "bfloat16"), ("xla_fp32", "float32")])
+def test_pod_xla_baseline_is_gspmds_own_reduction(mode, dtype):
+    """The baseline rows: the trainer's model (computing in the mode's dtype), loss and
+    optimizer in a plain jit with the parameters' shardings and no shard_map: GSPMD reduces
+    the gradients itself (in the dtype its partitioner picks: f32 here on XLA:CPU, bf16 on
+    the TPU compiler), and nothing quantized crosses data."""
+    import pathlib
+
+    import gift_jax as gj
+    from gift_jax.apps.pod import mode_config, xla_step
+    from gift_jax.training.config import load_config
+    from gift_jax.training.mesh import mesh_from_config
+    from gift_jax.training.program import Program
+
+    config = load_config("tiny", pathlib.Path(__file__).resolve().parent.parent / "configs")
+    config.model.num_layers = 1
+    config = mode_config(config, mode, (4, 2, 1), 8)
+    program = Program(config, mesh_from_config(config.mesh, jax.devices()[:8]))
+    report = gj.parse_hlo(xla_step(program).compile().as_text(), mesh=program.mesh)
+    across = report.over("data")
+    assert across.ops and "u8" not in across.by_dtype()
+    assert program.model_config.dtype == dtype
+    grads = [op for op in across.ops if op.kind in ("all-reduce", "reduce-scatter")]
+    assert sum(op.buffer_bytes for op in grads) >= 2 * program.model_config.d_model ** 2
+    assert {d for op in grads for d in op.dtypes} <= {"f32", "bf16"}, report.table()

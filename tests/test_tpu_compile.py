@@ -192,15 +192,28 @@ def test_compile_pod_script_topology(tmp_path, capsys):
 
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "compile_pod.py"
     proc = subprocess.run([sys.executable, str(script), "--config", "tiny", "--topology",
-                           "v5p-16", "--mesh", "8,1,1", "--modes", "fp8", "--set",
+                           "v5p-16", "--mesh", "8,1,1", "--modes", "xla_bf16,fp8", "--set",
                            "model.num_layers=1", "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    [row] = json.loads((tmp_path / "tiny_v5p-16.json").read_text())
+    xla, row = json.loads((tmp_path / "tiny_v5p-16.json").read_text())
     assert (row["compiler"], row["topology"], row["mesh"]) == ("TPU", "v5p-16", "8x1x1")
+    assert (xla["mode"], row["mode"]) == ("xla_bf16", "fp8")
+    for r in (xla, row):  # the step-time model's columns (gift_jax.apps.pod_estimate)
+        assert r["step_ms"] >= r["compute_ms"] > 0 and r["ici_ms"] > 0, r
+        assert r["step_ms"] == pytest.approx(r["compute_ms"] + r["exposed_ms"], rel=1e-3)
+        assert 0 <= r["data_covered"] <= 1 and r["flags"] == "-"
+    # a real all-gather, not the u32 all-reduce a flat u8 wire buffer became: fp8 moves a
+    # quarter of an fp32 reduction's bytes (0.375 before the wire buffers were lane-dense)
+    assert row["vs_fp32_shard"] <= 0.26, row
     assert "compiler: TPU (libtpu), v5p-16: 8 chips of TPU v5" in proc.stdout
     main = runpy.run_path(str(script))["main"]
     for args, message in [(("--topology", "v5x-16"), "unknown topology 'v5x-16'; known: "),
+                          (("--topology", "v4-16"), "no published bandwidths for TPU 'v4'; "
+                           "step times are estimated for: v5p, v5e, v6e"),
+                          (("--topology", "v6e-16", "--slices", "2"), "no published DCN "
+                           "bandwidth for TPU 'v6e'; multi-slice step times are estimated "
+                           "for: v5p, v5e"),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh", "3,4,1"),
                            "mesh.data=3, mesh.fsdp=4, mesh.tensor=1 multiply to 12, not to "
                            "the number of devices (32)"),

@@ -45,8 +45,12 @@ from typing import Any
 
 import jax
 import ml_collections
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import gift_jax
+from gift_jax.apps import pod_estimate
 from gift_jax.comm.wire import array_bytes
 from gift_jax.models import count_params
 from gift_jax.training.config import (
@@ -56,8 +60,16 @@ from gift_jax.training.config import (
     set_fields,
     validate_config,
 )
-from gift_jax.training.mesh import data_axes, data_parallel_size, mesh_from_config, model_axes
+from gift_jax.training.mesh import (
+    data_axes,
+    data_parallel_size,
+    mesh_from_config,
+    model_axes,
+)
+from gift_jax.training.method import build_optimizer
 from gift_jax.training.program import Program
+from gift_jax.training.sharding import shardings, state_specs
+from gift_jax.training.step import loss_for, model_def_of
 
 #: The communication modes compiled by default: ``label → (comm.codec, comm.method)``, from
 #: :data:`gift_jax.training.config.COMM_MODES` with fp8_e4m3 as the low-precision codec.
@@ -66,6 +78,35 @@ MODES: dict[str, tuple[str, str]] = {
     for label, mode in (("fp32", "fp32"), ("fp8", "fp8"), ("gift_fp8", "gift_fp8"),
                         ("plumage_fp8", "plumage"))
 }
+#: The baselines users have: XLA's own gradient reduction (a plain ``jax.jit`` with the
+#: parameters' shardings, no ``shard_map``), with the model computing in ``label → dtype``
+#: (``model.dtype``; in bf16 XLA reduces the bf16 cotangents, in fp32 the fp32 ones).
+XLA_MODES: dict[str, str] = {"xla_bf16": "bfloat16", "xla_fp32": "float32"}
+
+#: The TPU flags maxtext sets for data-parallel overlap (its ``benchmarks`` flag sets), per
+#: chip generation: the async collective fusion family is refused outside v5e by libtpu
+#: ("not supported/recommended on platforms other than TPU v5e").
+OVERLAP_FLAGS: dict[str, dict[str, bool]] = {
+    "common": {"xla_tpu_enable_data_parallel_all_reduce_opt": True,
+               "xla_tpu_data_parallel_opt_different_sized_ops": True,
+               "xla_tpu_overlap_compute_collective_tc": True,
+               "xla_enable_async_all_gather": True},
+    "v5e": {"xla_tpu_enable_async_collective_fusion": True,
+            "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+            "xla_tpu_enable_async_collective_fusion_multiple_steps": True},
+}
+
+
+def overlap_flags(generation: str) -> dict[str, bool]:
+    """maxtext's data-parallel overlap flags for a TPU generation (:data:`OVERLAP_FLAGS`).
+
+    Args:
+      generation: ``v4``, ``v5e``, ``v5p`` or ``v6e``.
+
+    Returns:
+      The compiler options.
+    """
+    return {**OVERLAP_FLAGS["common"], **OVERLAP_FLAGS.get(generation, {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +226,8 @@ class PodCompile:
     overlap: Overlap | None = None
     expected_argument_bytes: int = 0  # (parameters + optimizer state) per device, ideal
     intra: int = 1  # replicas reducing together first (mesh.intra_size); 1: flat
+    estimate: pod_estimate.Replay | None = None  # the step time (TPU compiler only)
+    flags: str = "-"  # "maxtext": compiled with overlap_flags(); "-": the defaults
 
     @property
     def total_bytes(self) -> int:
@@ -217,6 +260,16 @@ class PodCompile:
             row["overlap_ops"] = (f"{min(o.compute_between)}-{max(o.compute_between)}"
                                   if o.compute_between else "-")
             row["matmuls_after_reduction"] = f"{o.matmuls_after}/{o.matmuls}"
+        if self.estimate is not None:
+            e, axes = self.estimate, ("data", "intra")
+            ms = lambda t: float(f"{t * 1e3:.4g}")
+            data_comm = e.comm_s(axes=axes) + e.comm_s("DCN")
+            data_stall = e.stall_s(axes=axes) + e.stall_s("DCN")
+            row.update({"flags": self.flags, "compute_ms": ms(e.compute_s),
+                        "ici_ms": ms(e.comm_s("ICI")), "dcn_ms": ms(e.comm_s("DCN")),
+                        "exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
+                        "data_covered": round(max(0.0, 1 - data_stall / data_comm), 3)
+                        if data_comm else "-"})
         row["compile_s"] = round(self.compile_s, 1)
         return row
 
@@ -274,26 +327,94 @@ def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequen
       ConfigError: ``mode`` is not a key of :data:`MODES`, or a setting is invalid for
         ``num_devices`` (e.g. the mesh does not cover them).
     """
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ConfigError(f"mode={mode!r} is not supported; allowed modes: {', '.join(MODES)}")
-    codec, method = MODES[mode]
+    if not isinstance(mode, str) or mode not in {**MODES, **XLA_MODES}:
+        raise ConfigError(f"mode={mode!r} is not supported; allowed modes: "
+                          f"{', '.join([*MODES, *XLA_MODES])}")
+    codec, method = MODES.get(mode, ("fp32", "none"))
     data, fsdp, tensor = mesh_shape
-    config = set_fields(complete_config(config), {
-        "comm.codec": codec, "comm.method": method, "mesh.data": data, "mesh.fsdp": fsdp,
-        "mesh.tensor": tensor, "mesh.intra_size": intra})
+    fields = {"comm.codec": codec, "comm.method": method, "mesh.data": data, "mesh.fsdp": fsdp,
+              "mesh.tensor": tensor, "mesh.intra_size": intra}
+    if mode in XLA_MODES:
+        fields["model.dtype"] = XLA_MODES[mode]
+    config = set_fields(complete_config(config), fields)
     validate_config(config, num_devices)
     return config
 
 
+def _mesh_context(mesh):
+    """The context that gives bare ``PartitionSpec`` constraints their mesh (``jax.set_mesh``;
+    ``jax.sharding.use_mesh`` on older JAX)."""
+    return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)
+
+
+def _on_auto_mesh(tree, mesh):
+    """``tree``'s abstract arrays with their shardings moved to ``mesh`` with every axis
+    ``Auto`` (a plain GSPMD ``jit``: the trainer's data-parallel mesh has ``Explicit`` axes,
+    whose sharding-in-types the model's gathers do not resolve outside ``shard_map``)."""
+    auto = Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    moved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(auto, x.sharding.spec)), tree)
+    return moved, auto
+
+
+def xla_step(program: Program) -> jax.stages.Lowered:
+    """The run's train step with XLA's own gradient reduction: a plain ``jax.jit`` with the
+    parameters', optimizer state's and batch's shardings and no ``shard_map``, so GSPMD
+    inserts the reduction (in the cotangents' dtype) where the partitioner puts it. Same
+    model, loss, accumulation and optimizer chain as the trainer's step (its all-reduce
+    stage is the identity here: built without an axis).
+
+    Args:
+      program: a :class:`Program` whose ``comm.codec`` is ``fp32`` and ``comm.method`` none
+        (see :func:`mode_config` with a key of :data:`XLA_MODES`).
+
+    Returns:
+      The lowered step ``(params, opt_state, batch) → (params, opt_state, loss)``.
+    """
+    mesh, recipe, layout = program.mesh, program.recipe, program.layout
+    # the batch is split over every batch axis here, not over fsdp alone: no batch rule (the
+    # partitioner follows the batch's sharding)
+    rules = tuple((k, v) for k, v in program.model_config.activation_axes if k != "batch")
+    model_config = dataclasses.replace(program.model_config, activation_axes=rules)
+    model_def = model_def_of(model_config)
+    optimizer = build_optimizer(recipe, (None,))
+    params, _, batch = program.step.abstract_args()
+    opt_state = jax.eval_shape(optimizer.tx.init, params)
+    opt_shardings = shardings(state_specs(opt_state, layout, mesh), mesh)
+    accum, sharded = recipe.grad_accum_steps, bool(model_axes(mesh))
+    loss_fn = loss_for(model_def, mesh)
+
+    def step(params, opt_state, tokens):
+        from gift_jax.training.step import _local_loss_and_grads
+
+        loss, grads, _ = _local_loss_and_grads(model_def, tokens, params, accum, (), False,
+                                               sharded, loss_fn)
+        updates, opt_state = optimizer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_state,
+        opt_shardings)
+    args, auto = _on_auto_mesh((params, abstract_state, batch), mesh)
+    in_shardings = jax.tree.map(lambda x: x.sharding, args)
+    jitted = jax.jit(step, in_shardings=in_shardings,
+                     out_shardings=(*in_shardings[:2], NamedSharding(auto, P())),
+                     donate_argnums=(0, 1))
+    with _mesh_context(auto):
+        return jitted.lower(*args)
+
+
 def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
                  devices: Sequence[jax.Device] | None = None, *,
-                 refresh: bool = False, topology=None, intra: int = 1) -> list[PodCompile]:
+                 refresh: bool = False, topology=None, intra: int = 1,
+                 compiler_options: dict[str, Any] | None = None) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
 
     Args:
       config: a trainer config (see :func:`mode_config`).
-      mode: a key of :data:`MODES`.
+      mode: a key of :data:`MODES` or :data:`XLA_MODES`.
       mesh_shape: ``(data, fsdp, tensor)`` sizes; their product is ``len(devices)``.
       devices: the devices, e.g. :func:`gift_jax.utils.tpu.topology_devices` or simulated CPU
         devices; ``None``: ``jax.devices()``.
@@ -303,6 +424,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         fills ``topology``, ``hbm_bytes`` and the DCN/ICI split; ``None``: not a TPU job.
       intra: replicas that reduce together first (``mesh.intra_size``; the replicas of one
         slice make only the quantized reduction cross the data-centre network).
+      compiler_options: XLA/TPU compiler options of the step (e.g. :func:`overlap_flags`),
+        or ``None``.
 
     Returns:
       One :class:`PodCompile` per compiled variant, ordinary first (the schedule overlap
@@ -316,7 +439,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     data, fsdp, tensor = mesh_shape
     config = mode_config(config, mode, mesh_shape, len(devices), intra)
     mesh = mesh_from_config(config.mesh, devices)
-    program = Program(config, mesh)
+    program = Program(config, mesh, compiler_options)
     n_params = count_params(program.model_config)
     replicas = data_parallel_size(mesh)
     params = jax.eval_shape(program.init_params)
@@ -325,14 +448,21 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     n = len(devices)
     tpu = devices[0].platform == "tpu"
     out = []
-    for variant in program.step.variants():
+    xla = mode in XLA_MODES
+    for variant in (False,) if xla else program.step.variants():
         if variant and not refresh:
             continue
         start = time.perf_counter()
-        compiled = program.step.compiled(variant)
+        compiled = (xla_step(program).compile(compiler_options or None) if xla
+                    else program.step.compiled(variant))
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        report = program.step.wire_report(variant)
+        report = (gift_jax.parse_hlo(compiled.as_text(), mesh=mesh) if xla
+                  else program.step.wire_report(variant))
+        estimate = None
+        if tpu and topology is not None:
+            estimate = pod_estimate.estimate(compiled, mesh, topology.generation,
+                                             multislice=topology.slices > 1)
         inside = report.within(model_axes(mesh)).total
         dcn = dcn_bytes(compiled.as_text()) if topology is not None else 0.0
         out.append(PodCompile(
@@ -348,7 +478,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             hbm_bytes=topology.hbm_bytes if topology is not None else 0,
             dcn_bytes=dcn, ici_bytes=report.total if dcn else 0.0,
             overlap=schedule_overlap(compiled.as_text(), mesh, data_axes(mesh)) if tpu else None,
-            expected_argument_bytes=_state_bytes(program.step, mesh)))
+            expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
+            flags="maxtext" if compiler_options else "-"))
     return out
 
 

@@ -1,0 +1,386 @@
+"""A train step's time on a TPU pod, estimated from the TPU compiler's own numbers.
+
+No pod is run. The step is compiled for a pod's devices (:mod:`gift_jax.apps.pod`) and three
+facts of the compiled program are combined with the chip's published bandwidths
+(:data:`CHIPS`):
+
+1. **Compute.** ``compiled.cost_analysis()["optimal_seconds"]``, the TPU compiler's own
+   roofline estimate of the whole program. It counts a collective's HBM reads and writes like
+   any other op's but not its time on the links (checked: a lone 256 MiB ``psum`` and an
+   elementwise op of the same size get the same ``optimal_seconds``).
+2. **Communication.** Each collective's bytes per device (the bus model of
+   :mod:`gift_jax.comm.wire`) over the link it crosses: ICI inside a slice, at half the
+   chip's bidirectional ICI bandwidth (every port sending at once: a lower bound on the
+   time of a collective that uses only some ports), and the data-centre network (DCN)
+   across slices for the MegaScale ``send`` payloads of a multi-slice job
+   (:func:`gift_jax.apps.pod.dcn_bytes`).
+3. **Overlap, from the compiled schedule.** The scheduled HLO is replayed in order
+   (:func:`replay`): a compute op advances the clock by its share of ``optimal_seconds``
+   (its roofline time ``max(flops / peak, bytes / HBM)`` from the shapes in the HLO, scaled
+   so the shares sum to ``optimal_seconds``); an asynchronous collective's ``*-start`` puts
+   it on its link's queue (one collective at a time per link, in issue order) and its
+   ``*-done`` waits for it; a synchronous collective waits at once; a loop (a scanned
+   layer stack, an accumulation loop) costs its body's replayed time per iteration. The
+   clock at the end is the estimated step time; what it exceeds ``optimal_seconds`` by is
+   the **exposed** communication, the part that compute does not cover.
+
+The estimate is a model, and states its assumptions: links at their published peak, no
+latency per collective, compute at the compiler's roofline (real MFU is lower, so exposed
+communication is if anything overestimated relative to compute), collectives on one link
+serialised in issue order, and a loop's collectives overlapping only inside their own
+iteration. ``tests/test_pod_estimate.py`` checks the replay on hand-written schedules;
+``docs/pod/`` compares it with a published maxtext figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gift_jax.comm.wire import array_bytes, parse_hlo
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Published figures of one TPU chip (per chip, not per TensorCore)."""
+
+    peak_flops: float  # bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    ici_bandwidth: float  # bytes/s, bidirectional, all ports together
+    dcn_bandwidth: float | None  # bytes/s one way per chip; None: not published
+    source: str
+
+
+#: The chips whose bandwidths are known, with their sources (Cloud TPU's system-architecture
+#: pages). v5e's DCN figure is derived: 2 x 100 Gbps NICs per host of 8 chips. v4 is left
+#: out: its per-chip ICI bandwidth is not published there.
+CHIPS: dict[str, Chip] = {
+    "v5p": Chip(459e12, 2765e9, 1200e9, 50e9 / 8,
+                "cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, HBM 2765 GB/s, ICI 1200 GB/s "
+                "bidirectional per chip, DCN 50 Gbps per chip"),
+    "v5e": Chip(197e12, 819e9, 400e9, 2 * 100e9 / 8 / 8,
+                "cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, HBM 819 GB/s, ICI 400 GB/s "
+                "bidirectional per chip, 2 x 100 Gbps NICs per 8-chip host"),
+    "v6e": Chip(918e12, 1638e9, 800e9, None,
+                "cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, HBM 1638 GB/s, ICI 800 GB/s "
+                "bidirectional per chip (DCN per chip not published)"),
+}
+
+
+class UnknownChipError(ValueError):
+    """A chip whose bandwidths are not in :data:`CHIPS`; the message is one line."""
+
+
+def chip(generation: str, *, multislice: bool = False) -> Chip:
+    """The published figures of a TPU generation.
+
+    Args:
+      generation: ``v5p``, ``v5e``, ``v6e`` (a key of :data:`CHIPS`).
+      multislice: the job spans slices, so the chip's DCN bandwidth is needed too.
+
+    Returns:
+      The :class:`Chip`.
+
+    Raises:
+      UnknownChipError: the generation is not in the table (the message lists the known
+        chips), or its DCN bandwidth is unknown and ``multislice`` is set.
+    """
+    if generation not in CHIPS:
+        raise UnknownChipError(f"no published bandwidths for TPU {generation!r}; step times "
+                               f"are estimated for: {', '.join(CHIPS)}")
+    found = CHIPS[generation]
+    if multislice and found.dcn_bandwidth is None:
+        known = ", ".join(g for g, c in CHIPS.items() if c.dcn_bandwidth is not None)
+        raise UnknownChipError(f"no published DCN bandwidth for TPU {generation!r}; "
+                               f"multi-slice step times are estimated for: {known}")
+    return found
+
+
+# ---- the scheduled HLO ---------------------------------------------------------------------
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
+                    r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
+_HEAD = re.compile(r"^(?:ENTRY\s+)?(?P<name>%[\w.\-]+)\s*(?P<sig>\(.*)\{\s*$")
+_CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computations)="
+                    r"\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
+_BODY = re.compile(r"\bbody=(%[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather",
+                "collective-permute")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+         "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction of a computation, as printed."""
+
+    name: str
+    type: str
+    op: str
+    operands: tuple[str, ...]
+    attrs: str
+    line: str
+
+    def called(self) -> list[str]:
+        """The computations this instruction calls (fusion, loop body, async wrapper...)."""
+        return [n.strip() for m in _CALLS.finditer(self.attrs)
+                for n in m.group("names").split(",")]
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
+    """The module's computations in scheduled order, and the entry's name.
+
+    Args:
+      hlo_text: ``compiled.as_text()``.
+
+    Returns:
+      ``({name: [Instr, ...]}, entry name)``.
+    """
+    out: dict[str, list[Instr]] = {}
+    name, entry = None, ""
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head and not line.startswith(" "):
+            name = head.group("name")
+            out[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+            continue
+        m = _INSTR.match(line) if name is not None else None
+        if m:
+            operands = tuple(re.findall(r"%[\w.\-]+", m.group("args")))
+            out[name].append(Instr(m.group("name"), m.group("type"), m.group("op"), operands,
+                                   m.group("attrs"), line))
+    return out, entry
+
+
+def _dims(type_str: str) -> list[int]:
+    m = re.search(r"\[([\d,]*)\]", type_str)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _flops(ins: Instr, types: Mapping[str, str]) -> float:
+    """Multiply-add FLOPs of a convolution or dot (2 per multiply-add), from its shapes."""
+    out = math.prod(_dims(ins.type))
+    if ins.op == "dot":
+        lhs = _dims(types.get(ins.operands[0], ""))
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
+        return 2.0 * out * k
+    rhs = _dims(types.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
+    if not rhs or not m or "o" not in m.group(1):
+        return 0.0
+    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+    per_output = math.prod(rhs) / rhs[m.group(1).index("o")]
+    return 2.0 * out * per_output / (int(groups.group(1)) if groups else 1)
+
+
+@dataclasses.dataclass
+class _Costs:
+    """Roofline seconds of compute ops, before scaling to ``optimal_seconds``."""
+
+    comps: dict[str, list[Instr]]
+    chip: Chip
+    memo: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def flops_of(self, comp: str, depth: int = 0) -> float:
+        types = {i.name: i.type for i in self.comps.get(comp, ())}
+        total = 0.0
+        for ins in self.comps.get(comp, ()):
+            if ins.op in ("convolution", "dot"):
+                total += _flops(ins, types)
+            elif ins.op == "fusion" and depth < 4:
+                total += sum(self.flops_of(c, depth + 1) for c in ins.called())
+        return total
+
+    def seconds(self, ins: Instr, types: Mapping[str, str]) -> float:
+        """Roofline time of one compute instruction (a fusion, matmul, kernel, copy...)."""
+        moved = sum(b for _, b in array_bytes(ins.type))
+        moved += sum(b for o in dict.fromkeys(ins.operands)  # an operand read twice: once
+                     for _, b in array_bytes(types.get(o, "")))
+        flops = 0.0
+        if ins.op in ("convolution", "dot"):
+            flops = _flops(ins, types)
+        elif ins.op == "fusion":
+            flops = sum(self.flops_of(c) for c in ins.called())
+        return max(flops / self.chip.peak_flops, moved / self.chip.hbm_bandwidth)
+
+
+# ---- the replay ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the schedule, as the replay costed it."""
+
+    kind: str
+    link: str  # "ICI" or "DCN"
+    bytes: float  # per device (bus model), per execution
+    seconds: float  # per execution, at the link's bandwidth
+    stall: float  # per execution: time the schedule waited for it (not covered by compute)
+    executions: int  # how often it runs per step (loop trip counts)
+    axes: tuple[str, ...]  # the mesh axes its groups span
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """The replayed schedule of one compiled step."""
+
+    compute_s: float  # the compiler's optimal_seconds
+    step_s: float  # the clock at the end of the replay
+    collectives: tuple[Collective, ...]
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication not covered by compute: ``step_s − compute_s``."""
+        return max(0.0, self.step_s - self.compute_s)
+
+    def comm_s(self, link: str | None = None, axes: Sequence[str] | None = None) -> float:
+        """Seconds on the links per step, of the collectives on ``link`` and spanning any of
+        ``axes`` (``None``: all).
+
+        Args:
+          link: ``"ICI"``, ``"DCN"`` or ``None``.
+          axes: mesh axes, or ``None``.
+
+        Returns:
+          The summed link time of those collectives, times their executions.
+        """
+        return sum(c.seconds * c.executions for c in self._select(link, axes))
+
+    def stall_s(self, link: str | None = None, axes: Sequence[str] | None = None) -> float:
+        """Seconds the schedule waited for those collectives (their exposed part).
+
+        Args:
+          link: ``"ICI"``, ``"DCN"`` or ``None``.
+          axes: mesh axes, or ``None``.
+
+        Returns:
+          The summed stalls, times their executions.
+        """
+        return sum(c.stall * c.executions for c in self._select(link, axes))
+
+    def _select(self, link, axes):
+        return [c for c in self.collectives if (link is None or c.link == link)
+                and (axes is None or set(c.axes) & set(axes))]
+
+
+def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:
+    """The collective an instruction issues: itself, or the one inside an async wrapper."""
+    if ins.op.removesuffix("-start") in _COLLECTIVES:
+        return ins
+    if ins.op == "async-start":
+        for c in ins.called():
+            for inner in comps.get(c, ()):
+                if inner.op in _COLLECTIVES:
+                    return inner
+    return None
+
+
+_DCN = re.compile(r"xla_megascale_runtime")
+
+
+def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
+    """Replays the scheduled HLO of a compiled step (see the module docstring).
+
+    Args:
+      hlo_text: ``compiled.as_text()`` (scheduled order).
+      optimal_seconds: ``compiled.cost_analysis()["optimal_seconds"]``.
+      chip_: the chip's figures (:func:`chip`).
+      mesh: the mesh the step was compiled for (names each collective's axes).
+
+    Returns:
+      The :class:`Replay`.
+    """
+    comps, entry = computations(hlo_text)
+    costs = _Costs(comps, chip_)
+    found: list[Collective] = []
+
+    def run(comp: str, executions: int, raw: bool) -> float:
+        """Replays ``comp`` once; returns its duration (raw roofline seconds if ``raw``,
+        else scaled compute plus stalls), recording collectives when not ``raw``."""
+        clock, free = 0.0, {"ICI": 0.0, "DCN": 0.0}
+        pending: dict[str, tuple[float, int]] = {}  # start name -> (finish, index)
+        types = {i.name: i.type for i in comps.get(comp, ())}
+        for ins in comps.get(comp, ()):
+            coll = _collective_line(ins, comps)
+            is_send = ins.op in ("send", "recv") and _DCN.search(ins.line)
+            if coll is not None or is_send:
+                if raw:
+                    continue
+                if is_send:
+                    payload = array_bytes(ins.type)
+                    nbytes = float(payload[0][1]) if payload and ins.op == "send" else 0.0
+                    link, kind, axes = "DCN", ins.op, ()
+                else:
+                    report = parse_hlo(coll.line, mesh=mesh)
+                    op = report.ops[0] if report.ops else None
+                    nbytes, kind = (op.wire_bytes, op.kind) if op else (0.0, coll.op)
+                    axes, link = (op.axes if op else ()), "ICI"
+                bw = chip_.dcn_bandwidth if link == "DCN" else chip_.ici_bandwidth / 2
+                seconds = nbytes / bw if bw else 0.0
+                finish = max(clock, free[link]) + seconds
+                free[link] = finish
+                found.append(Collective(kind, link, nbytes, seconds, 0.0, executions, axes))
+                asynchronous = ins.op.endswith("-start") or ins.op == "async-start" or is_send
+                if asynchronous:
+                    pending[ins.name] = (finish, len(found) - 1)
+                else:
+                    found[-1] = dataclasses.replace(found[-1], stall=finish - clock)
+                    clock = finish
+            elif ins.op.endswith("-done") and ins.operands and ins.operands[0] in pending:
+                if raw:
+                    continue
+                finish, index = pending.pop(ins.operands[0])
+                if finish > clock:
+                    found[index] = dataclasses.replace(found[index], stall=finish - clock)
+                    clock = finish
+            elif ins.op == "while":
+                m = _TRIP.search(ins.attrs)
+                trips = int(m.group(1)) if m else 1
+                body = _BODY.search(ins.attrs)
+                if body:
+                    clock += trips * run(body.group(1), executions * trips, raw)
+            elif ins.op in ("call", "conditional"):
+                called = ins.called()
+                times = [run(c, executions, raw) for c in called]
+                clock += max(times) if ins.op == "conditional" and times else sum(times)
+            elif ins.op not in _FREE and not ins.op.endswith("-done"):
+                clock += costs.seconds(ins, types) * (1.0 if raw else scale)
+        return clock
+
+    raw_total = run(entry, 1, raw=True)
+    scale = optimal_seconds / raw_total if raw_total > 0 else 0.0
+    step = run(entry, 1, raw=False)
+    return Replay(optimal_seconds, step, tuple(found))
+
+
+def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False) -> Replay:
+    """The :class:`Replay` of a compiled TPU step.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` for TPU devices (its ``cost_analysis()`` has
+        ``optimal_seconds``).
+      mesh: the mesh it was compiled for.
+      generation: the chips' generation (a key of :data:`CHIPS`).
+      multislice: the job spans slices (the DCN bandwidth is needed).
+
+    Returns:
+      The replayed schedule.
+
+    Raises:
+      UnknownChipError: see :func:`chip`.
+      ValueError: the cost analysis has no ``optimal_seconds`` (not a TPU executable).
+    """
+    found = chip(generation, multislice=multislice)
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    if not analysis or "optimal_seconds" not in analysis:
+        raise ValueError("the compiled step's cost analysis has no optimal_seconds (only the "
+                         "TPU compiler reports it)")
+    return replay(compiled.as_text(), float(analysis["optimal_seconds"]), found, mesh)

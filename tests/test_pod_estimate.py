@@ -1,0 +1,102 @@
+"""The step-time model of gift_jax.apps.pod_estimate on hand-written schedules: compute shares
+that sum to the compiler's optimal_seconds, synchronous collectives fully exposed, async ones
+covered by the compute between start and done, one link at a time, loops by their trip
+count, and the chip table's one-line errors."""
+
+import pytest
+
+from gift_jax.apps import pod_estimate as pe
+
+# a chip with round numbers: 1 TFLOP/s, 1 GB/s HBM, 2 GB/s ICI (1 GB/s each way), 0.5 GB/s DCN
+CHIP = pe.Chip(1e12, 1e9, 2e9, 0.5e9, "test")
+F32_1M = "f32[262144]"  # 1 MiB
+GROUP = "replica_groups={{0,1,2,3}}, to_apply=%add"
+
+
+def _module(entry: list[str], extra: str = "") -> str:
+    body = "\n".join(f"  {line}" for line in entry)
+    return (f"{extra}%add (a: f32[], b: f32[]) -> f32[] {{\n  %a = f32[] parameter(0)\n}}\n\n"
+            f"ENTRY %main (p: {F32_1M}) -> {F32_1M} {{\n{body}\n}}\n")
+
+
+def _compute(name: str, src: str) -> str:
+    # an elementwise op: 2 MiB moved (operand + result), no FLOPs
+    return f"%{name} = {F32_1M} multiply(%{src}, %{src})"
+
+
+ALL_REDUCE_S = 2 * 3 / 4 * 2**20 / 1e9  # bus bytes of a 1 MiB all-reduce on 4, at 1 GB/s
+
+
+def test_synchronous_collective_is_fully_exposed():
+    hlo = _module([f"%p = {F32_1M} parameter(0)", _compute("c1", "p"),
+                   f"ROOT %ar = {F32_1M} all-reduce(%c1), {GROUP}"])
+    r = pe.replay(hlo, optimal_seconds=1e-3, chip_=CHIP, mesh=None)
+    [coll] = r.collectives
+    assert coll.kind == "all-reduce" and coll.link == "ICI"
+    assert coll.seconds == pytest.approx(ALL_REDUCE_S)
+    assert r.step_s == pytest.approx(1e-3 + ALL_REDUCE_S)
+    assert r.exposed_s == pytest.approx(ALL_REDUCE_S) == pytest.approx(r.stall_s())
+
+
+@pytest.mark.parametrize("between", [0, 1, 4])
+def test_async_collective_is_covered_by_the_compute_between_start_and_done(between):
+    ops = [f"%p = {F32_1M} parameter(0)", _compute("c0", "p"),
+           f"%ars = {F32_1M} all-reduce-start(%c0), {GROUP}"]
+    ops += [_compute(f"b{i}", "c0") for i in range(between)]
+    ops += [f"%ard = {F32_1M} all-reduce-done(%ars)", _compute("after", "ard")]
+    hlo = _module(ops)
+    # every compute op moves the same bytes, so each gets an equal share of optimal_seconds
+    per_op = 1e-4
+    r = pe.replay(hlo, optimal_seconds=per_op * (between + 2), chip_=CHIP, mesh=None)
+    covered = min(ALL_REDUCE_S, between * per_op)
+    assert r.compute_s == pytest.approx(per_op * (between + 2))
+    assert r.exposed_s == pytest.approx(ALL_REDUCE_S - covered)
+    assert r.collectives[0].stall == pytest.approx(ALL_REDUCE_S - covered)
+
+
+def test_one_link_carries_one_collective_at_a_time():
+    ops = [f"%p = {F32_1M} parameter(0)",
+           f"%s1 = {F32_1M} all-reduce-start(%p), {GROUP}",
+           f"%s2 = {F32_1M} all-reduce-start(%p), {GROUP}",
+           f"%d1 = {F32_1M} all-reduce-done(%s1)", f"%d2 = {F32_1M} all-reduce-done(%s2)"]
+    r = pe.replay(_module(ops), optimal_seconds=0.0, chip_=CHIP, mesh=None)
+    assert r.step_s == pytest.approx(2 * ALL_REDUCE_S)  # queued, not concurrent
+    assert r.comm_s("ICI") == pytest.approx(2 * ALL_REDUCE_S)
+
+
+def test_loops_count_their_trips():
+    body = ("%body (t: f32[262144]) -> f32[262144] {\n"
+            f"  %t = {F32_1M} parameter(0)\n"
+            f"  %m = {F32_1M} multiply(%t, %t)\n"
+            f"  ROOT %r = {F32_1M} all-reduce(%m), {GROUP}\n}}\n\n")
+    ops = [f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
+           f'ROOT %w = {F32_1M} while(%c), condition=%cond, body=%body, '
+           'backend_config={"known_trip_count":{"n":"5"}}']
+    r = pe.replay(_module(ops, extra=body), optimal_seconds=6e-4, chip_=CHIP, mesh=None)
+    [coll] = r.collectives
+    assert coll.executions == 5
+    assert r.comm_s() == pytest.approx(5 * ALL_REDUCE_S)
+    # 6 equal compute ops (1 outside, 5 iterations): shares of optimal_seconds, plus 5 stalls
+    assert r.step_s == pytest.approx(6e-4 + 5 * ALL_REDUCE_S)
+
+
+def test_matmul_flops_weigh_more_than_their_bytes():
+    ops = [f"%p = {F32_1M} parameter(0)", "%x = f32[1024,1024] bitcast(%p)",
+           "%mm = f32[1024,1024] dot(%x, %x), lhs_contracting_dims={1}, "
+           "rhs_contracting_dims={0}", f"%e = {F32_1M} multiply(%p, %p)"]
+    comps, entry = pe.computations(_module(ops))
+    costs = pe._Costs(comps, pe.Chip(1e12, 1e12, 2e9, None, "fast HBM"))
+    types = {i.name: i.type for i in comps[entry]}
+    mm, ew = (next(i for i in comps[entry] if i.name == n) for n in ("%mm", "%e"))
+    assert costs.seconds(mm, types) == pytest.approx(2 * 1024**3 / 1e12)  # compute-bound
+    assert costs.seconds(ew, types) == pytest.approx(2 * 2**20 / 1e12)  # memory-bound
+
+
+def test_unknown_chips_get_one_line():
+    with pytest.raises(pe.UnknownChipError, match=r"no published bandwidths for TPU 'v4'; "
+                       r"step times are estimated for: v5p, v5e, v6e$"):
+        pe.chip("v4")
+    with pytest.raises(pe.UnknownChipError, match=r"no published DCN bandwidth for TPU 'v6e'; "
+                       r"multi-slice step times are estimated for: v5p, v5e$"):
+        pe.chip("v6e", multislice=True)
+    assert pe.chip("v6e").peak_flops == 918e12
