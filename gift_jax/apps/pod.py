@@ -61,6 +61,7 @@ from gift_jax.training.config import (
     validate_config,
 )
 from gift_jax.training.mesh import (
+    batch_axes,
     data_axes,
     data_parallel_size,
     mesh_from_config,
@@ -373,9 +374,9 @@ def xla_step(program: Program) -> jax.stages.Lowered:
       The lowered step ``(params, opt_state, batch) → (params, opt_state, loss)``.
     """
     mesh, recipe, layout = program.mesh, program.recipe, program.layout
-    # the batch is split over every batch axis here, not over fsdp alone: no batch rule (the
-    # partitioner follows the batch's sharding)
-    rules = tuple((k, v) for k, v in program.model_config.activation_axes if k != "batch")
+    # rows are split over every batch axis here (data too), not over fsdp alone
+    rules = tuple((k, ",".join(batch_axes(mesh)) if k == "batch" else v)
+                  for k, v in program.model_config.activation_axes)
     model_config = dataclasses.replace(program.model_config, activation_axes=rules)
     model_def = model_def_of(model_config)
     optimizer = build_optimizer(recipe, (None,))

@@ -197,7 +197,8 @@ def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
       x: an activation.
       cfg: the model config; its ``activation_axes`` maps logical names to mesh axes.
       *names: one logical name (``"batch"``, ``"heads"``, ``"kv_heads"``, ``"mlp"``,
-        ``"vocab"``) or ``None`` per dimension of ``x``; a name without a rule is unsplit.
+        ``"vocab"``) or ``None`` per dimension of ``x``; a name without a rule is unsplit, a
+        rule may name several mesh axes joined by commas (``"data,fsdp"``).
 
     Returns:
       ``x`` under ``jax.lax.with_sharding_constraint``, or ``x`` itself.
@@ -205,7 +206,8 @@ def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
     if not cfg.activation_axes:
         return x
     rules = dict(cfg.activation_axes)
-    spec = jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
+    split = lambda axes: tuple(axes.split(",")) if axes and "," in axes else axes
+    spec = jax.sharding.PartitionSpec(*(split(rules.get(n)) if n else None for n in names))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
