@@ -134,7 +134,7 @@ def test_pod_xla_baseline_is_gspmds_own_reduction(mode, dtype):
     program = Program(config, mesh_from_config(config.mesh, jax.devices()[:8]))
     report = gj.parse_hlo(xla_step(program).compile().as_text(), mesh=program.mesh)
     across = report.over("data")
-    assert across.ops and "u8" not in across.by_dtype()
+    assert across.ops and "u8" not in across.by_dtype
     assert program.model_config.dtype == dtype
     grads = [op for op in across.ops if op.kind in ("all-reduce", "reduce-scatter")]
     assert sum(op.buffer_bytes for op in grads) >= 2 * program.model_config.d_model ** 2

@@ -34,6 +34,23 @@ def test_parser_bus_bytes_model():
     assert ops[4].buffer_bytes == 128  # the async start's result, not its operand
 
 
+def test_report_aggregates_are_properties():
+    """``total``, ``by_kind`` and ``by_dtype`` are all properties (``by_kind()`` and
+    ``by_dtype()`` were methods beside the ``total`` property, which tripped users)."""
+    hlo = "\n".join([
+        "  %ar = f32[1024]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+        "  %ag = u8[8,100]{1,0} all-gather(%x), replica_groups=[1,8]<=[8], dimensions={0}",
+        "  %ag2 = u8[8,100]{1,0} all-gather(%y), replica_groups=[1,8]<=[8], dimensions={0}",
+    ])
+    report = gj.parse_hlo(hlo, num_devices=8)
+    for name in ("total", "by_kind", "by_dtype"):
+        assert isinstance(getattr(gj.WireReport, name), property), name
+    ag = 2 * 7 / 8 * 800
+    assert report.by_kind == {"all-reduce": 2 * 7 / 8 * 4096, "all-gather": ag}
+    assert report.by_dtype == {"f32": 2 * 7 / 8 * 4096, "u8": ag}
+    assert report.total == sum(report.by_kind.values()) == sum(report.by_dtype.values())
+
+
 def _grad_shapes():
     # one Llama block of a 60M-size model plus norms: realistic mix of big and tiny leaves
     d, f = 512, 1376
@@ -61,7 +78,7 @@ def _compiled_wire(codec, block=None, policy=None):
                                           else None) for c in C.codec_variants(128)])
 def test_hlo_wire_ratio_matches_ideal_within_2_percent(codec, block):
     fp32 = _compiled_wire("fp32")
-    assert set(fp32.by_kind()) == {"all-reduce"}
+    assert set(fp32.by_kind) == {"all-reduce"}
     ours = _compiled_wire(codec, block)
     moved = [op for op in ours.ops if op.kind in ("all-to-all", "all-gather")]
     assert moved and all(set(op.dtypes) == {"u8"} for op in moved)  # pinned wire format

@@ -62,21 +62,32 @@ class CollectiveOp:
 
 @dataclasses.dataclass(frozen=True)
 class WireReport:
-    """All collectives of a compiled function and their bytes per device."""
+    """All collectives of a compiled function and their bytes per device.
+
+    The aggregates are properties (``report.total``, ``report.by_kind``,
+    ``report.by_dtype``); what takes arguments or renders is a method (``report.over(axes)``,
+    ``report.within(axes)``, ``report.table()``).
+    """
 
     ops: tuple[CollectiveOp, ...]
 
     @property
     def total(self) -> float:
+        """Wire bytes per device of all the collectives."""
         return float(sum(op.wire_bytes for op in self.ops))
 
+    @property
     def by_kind(self) -> dict[str, float]:
+        """Wire bytes per device by collective kind (``{"all-reduce": ..., ...}``)."""
         out: dict[str, float] = {}
         for op in self.ops:
             out[op.kind] = out.get(op.kind, 0.0) + op.wire_bytes
         return out
 
+    @property
     def by_dtype(self) -> dict[str, float]:
+        """Wire bytes per device by the dtypes a collective carries (``"f32"``, ``"u8"``;
+        several joined by ``+``)."""
         out: dict[str, float] = {}
         for op in self.ops:
             key = "+".join(sorted(set(op.dtypes)))
@@ -244,7 +255,8 @@ def wire_bytes(fn_or_compiled, *args, **kwargs) -> WireReport:
 
     Args:
       fn_or_compiled: a jitted function, a ``Compiled``, a ``Lowered`` or HLO text.
-      *args, **kwargs: example arguments of a jitted function (shapes only matter).
+      *args: example positional arguments of a jitted function (shapes only matter).
+      **kwargs: its example keyword arguments.
 
     Returns:
       The :class:`WireReport`.
