@@ -31,6 +31,7 @@ from gift_jax.comm.collectives import (
     quantized_psum,
     quantized_reduce_scatter,
 )
+from gift_jax.comm.data_parallel import DataParallelGrad, data_parallel_grad, reduce_gradients
 from gift_jax.comm.stage import (
     AllReduceState,
     AllReduceTransformation,
@@ -85,6 +86,7 @@ __all__ = [
     "AllReduceTransformation",
     "CODEC_NAMES",
     "Codec",
+    "DataParallelGrad",
     "GiftDimensionNumbers",
     "GiftLeafState",
     "GiftState",
@@ -95,6 +97,7 @@ __all__ = [
     "allreduce",
     "allreduce_axis",
     "allreduce_spec",
+    "data_parallel_grad",
     "expected_squared_error",
     "fidelity_report",
     "find_plumage_state",
@@ -117,6 +120,7 @@ __all__ = [
     "quantized_all_gather",
     "quantized_psum",
     "quantized_reduce_scatter",
+    "reduce_gradients",
     "reframe_error_feedback",
     "remove_capture",
     "reset_error_feedback",
