@@ -122,6 +122,8 @@ class WireReport:
         return WireReport(tuple(op for op in self.ops if op.axes and set(op.axes) <= set(axes)))
 
     def table(self) -> str:
+        """A Markdown table of the collectives (kind, dtype, group size, bytes), with a total
+        row."""
         lines = ["| collective | dtype | P | S bytes | wire bytes/device |",
                  "|---|---|---|---|---|"]
         for op in self.ops:

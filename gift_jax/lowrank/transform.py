@@ -1,6 +1,6 @@
 """PLUMAGE / GaLore / FLORA as Optax gradient transformations with low-rank Adam moments.
 
-One step, per projected leaf (oriented ``(batch, M, N)``, projector ``P`` ``(batch, M, k)``):
+One step, per projected leaf (oriented ``(batch, M, N)``, projector ``P`` ``(batch, M, k)``)::
 
     refresh (every τ steps, or when the host says so):   SVD of the (reduced) gradient → P, D
     resample (every κ steps, PLUMAGE/FLORA only):         new S from the stored SVD → P, D
@@ -870,9 +870,10 @@ def plumage(
       refresh_every: SVD refresh interval τ.
       weight_decay: decoupled weight decay coefficient.
       weight_decay_mask: optax mask (tree or callable) for weight decay.
-      strategy, resample_every, realign, unbiased_scaling, b1, b2, eps, eps_root, scale, seed,
-      weight_dimension_numbers, mask, adaptive_refresh, communicate, communicate_refresh,
-      axis_name, distribute_refresh: see :func:`scale_by_plumage`.
+      strategy: see :func:`scale_by_plumage`, as for ``resample_every``, ``realign``,
+        ``unbiased_scaling``, ``b1``, ``b2``, ``eps``, ``eps_root``, ``scale``, ``seed``,
+        ``weight_dimension_numbers``, ``mask``, ``adaptive_refresh``, ``communicate``,
+        ``communicate_refresh``, ``axis_name`` and ``distribute_refresh``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: the chain :func:`scale_by_plumage`,

@@ -4,7 +4,7 @@ Every metric compares ``approx`` (e.g. the output of an FP8 all-reduce, possibly
 with ``ref`` (the fp32 reduction of the same gradients), in the frames of GIFT
 (arXiv 2607.07494, Tables I/II):
 
-* Euclidean: relative L2 ‖Ĝ − G‖/‖G‖, cosine ⟨Ĝ, G⟩/(‖Ĝ‖‖G‖), max |Ĝ − G|;
+* Euclidean: relative L2 ‖Ĝ − G‖/‖G‖, cosine ⟨Ĝ, G⟩/(‖Ĝ‖‖G‖), max ``|Ĝ − G|``;
 * whitened: ‖W(Ĝ − G)‖/‖W G‖ for a whitener W of the layer's input factor (the geometry-aware
   error GIFT reduces; a floating-point format's per-element relative error is frame-invariant,
   so the gain is expected here, not in the Euclidean frame);
@@ -88,7 +88,7 @@ def cosine(approx: jax.Array, ref: jax.Array) -> jax.Array:
 
 
 def max_abs_error(approx: jax.Array, ref: jax.Array) -> jax.Array:
-    """max |approx − ref|.
+    """max ``|approx − ref|``.
 
     Args:
       approx: the approximate value Ĝ (any shape and float dtype).
@@ -116,14 +116,14 @@ def whitened_relative_l2(approx: jax.Array, ref: jax.Array, factor: NamedTuple) 
 
 
 def adam_normalise(g: jax.Array, eps: float = 1e-8) -> jax.Array:
-    """g / (|g| + eps): the first Adam step from fresh moments (bias-corrected m̂ = g, v̂ = g²).
+    """``g / (|g| + eps)``: the first Adam step from fresh moments (bias-corrected m̂ = g, v̂ = g²).
 
     Args:
       g: a gradient (any shape and float dtype).
       eps: Adam's ε.
 
     Returns:
-      The normalised gradient, fp32, of ``g``'s shape (|entries| < 1 for ``eps > 0``).
+      The normalised gradient, fp32, of ``g``'s shape (``|entries| < 1`` for ``eps > 0``).
     """
     g = _f32(g)
     return g / (jnp.abs(g) + eps)
