@@ -1,6 +1,7 @@
 """The linen capture (gift_jax.whitening.capture_linen) against the NNX capture on the same
-models with the same weights: the list and scanned MLP blocks of ``nnx_toys``, a tied block,
-DenseGeneral layers, jax.jit and jax.shard_map, and GIFT taking the statistics."""
+models with the same weights: the list and scanned MLP blocks of ``nnx_toys``, a tied block, an
+nn.vmap ensemble, DenseGeneral layers, jax.jit and jax.shard_map, and GIFT taking the
+statistics."""
 
 import flax.linen as nn
 import jax
@@ -77,10 +78,9 @@ def linen_loss(model, params, x):
     return jnp.mean(model.apply({"params": params}, x) ** 2)
 
 
-def _params(model, rename=lambda k: k):
-    """The NNX model's params as a linen params dict (top-level keys renamed)."""
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return {rename(k): v for k, v in pure.items()}
+def _params(model):
+    """The NNX model's params as a pure dict (a linen params dict of the same paths)."""
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def _nnx_stats(model, layers):
@@ -106,8 +106,7 @@ def _refresh_once(grads, stats, dims=None):
 
 def test_list_model_equals_nnx_capture_loss_and_grads_plain():
     model = ListModel(nnx.Rngs(0))
-    params = _params(model, lambda k: k)["layers"]
-    params = {f"layers_{i}": params[i] for i in range(2)}
+    params = {f"layers_{i}": block for i, block in _params(model)["layers"].items()}
     layers = ["*/mlp/down_proj", "layers_0/mlp/up_proj/kernel"]
     (loss, stats), grads = _linen_step(LinenList(), layers)(params, X)
     _, want = _nnx_stats(model, ["*/mlp/down_proj", "layers/0/mlp/up_proj/kernel"])
@@ -215,3 +214,26 @@ def test_inside_shard_map_each_device_gets_its_local_statistics():
     for d in range(8):
         for path, a in local(X[d:d + 1]).items():
             np.testing.assert_array_equal(sharded[path][d], a)
+
+
+class Ensemble(nn.Module):  # nn.vmap over Dense: one (V, n, m) kernel, members fed their rows
+    variable_axes: tuple = (("params", 0), (capture_linen.COLLECTION, 0))
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.vmap(nn.Dense, variable_axes=dict(self.variable_axes),
+                        split_rngs={"params": True}, in_axes=0, out_axes=0)
+        return stack(DF, name="ens")(x)
+
+
+def test_vmapped_dense_stacks_per_member():
+    x = X[:2]  # (members, rows, DM)
+    params = Ensemble().init(jax.random.key(5), x)["params"]
+    refresh = capture_linen.with_input_stats(linen_loss, ["ens"])
+    _, stats = jax.jit(lambda p, x: refresh(Ensemble(), p, x))(params, x)
+    assert stats["ens/kernel"].shape == (2, DM, DM)
+    for v in range(2):
+        np.testing.assert_allclose(stats["ens/kernel"][v], x[v].T @ x[v] / len(x[v]),
+                                   rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="does not carry"):
+        refresh(Ensemble((("params", 0),)), params, x)

@@ -97,6 +97,8 @@ class _Capture:
           ValueError: a pattern selects a module that is not a Dense, or as :func:`_record`.
         """
         module = context.module
+        if module.scope is None:  # an unbound module's method: nothing to record or name
+            return next_fun(*args, **kwargs)
         mp = join_path(module.scope.path)
         kernel_path = f"{mp}/kernel" if mp else "kernel"
         if mp not in self.seen:
