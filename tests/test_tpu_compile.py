@@ -111,17 +111,25 @@ def test_auto_falls_back_where_mosaic_refuses(monkeypatch):
 
 
 @pytest.mark.parametrize("device_kind", ["TPU v5", "TPU v6 lite"])
-@pytest.mark.parametrize("name,block", [("bf16", None), ("fp8_e4m3", None), ("fp8_e5m2", None),
-                                        ("fp8_e4m3", 128), ("mxfp8", None)])
-def test_every_kernel_compiles_for_v5p_and_v6e(device_kind, name, block):
-    """Every kernel of every codec but NVFP4, on the shapes the all-reduce makes for the
-    tiny model on 8 replicas, compiled (not only lowered) by Mosaic for the chip."""
-    codec = C.get_codec(name, block)
+@pytest.mark.parametrize("codec", C.codec_variants(128), ids=lambda c: c.label)
+def test_every_kernel_compiles_for_v5p_and_v6e(device_kind, codec):
+    """Every kernel of every wire format, on the shapes the all-reduce makes for the tiny
+    model on 8 replicas, compiled (not only lowered) by Mosaic for the chip. A sub-byte
+    format (NVFP4) is the exception, asked of the codec: Mosaic refuses its quantize (4-bit
+    codes packed in pairs into i8 vectors), and its dequantize-accumulate builds or not by
+    shape (8-byte rows take a whole lane tile each: scoped VMEM runs out at these shapes, not
+    at test_auto_falls_back_where_mosaic_refuses's); "auto" runs XLA wherever one does not."""
     shapes = [tuple(s.shape) for s in jax.tree.leaves(param_shapes(LlamaConfig()))]
     calls = R.collective_calls(shapes, codec, 8)
     assert {k for k, _ in calls} == {"quantize", "dequantize_accumulate"}
     for kind, args in calls:
-        assert kb.lowering_error(kind, codec, args, "tpu", device_kind) is None, (kind, args)
+        if codec.bits < 8 and kind != "quantize":
+            continue  # builds or not by shape (see above): nothing to assert, slow to try
+        error = kb.lowering_error(kind, codec, args, "tpu", device_kind)
+        if codec.bits >= 8:
+            assert error is None, (kind, args, error)
+        else:
+            assert error is not None and "Mosaic" in error, (kind, args, error)
 
 
 def test_trainer_step_compiles_for_two_slices():
