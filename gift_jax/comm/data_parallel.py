@@ -29,7 +29,9 @@ a sum (a token count is not averaged into 1/P of itself).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -163,7 +165,25 @@ def _reduce_aux(aux: Any, aux_reduce: Any, axis: str) -> Any:
                          ) from None
 
 
-def _scatter_leaf(g: jax.Array, dim: int, axis: str, codec: Codec, mean: bool,
+def _gather(x: jax.Array, dim: int, scatter: Callable) -> jax.Array:
+    """All-gather ``x`` over the data axis along ``dim`` (fp32, the forward's weights); its
+    VJP is ``scatter``, the codec's reduce-scatter of the gradient into the shard."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.all_gather(x, scatter.keywords["axis"], axis=dim, tiled=True)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, g):
+        return (scatter(g, dim),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(x)
+
+
+def _scatter_leaf(g: jax.Array, dim: int, *, axis: str, codec: Codec, mean: bool,
                   backend: str) -> jax.Array:
     """Reduce-scatter ``g`` (this replica's whole gradient) over ``axis`` into this replica's
     slice of dimension ``dim``, in ``codec``; each slice is padded to whole codec rows so that
@@ -303,42 +323,58 @@ class DataParallelGrad:
         state_spec = None if own else partition_specs(comm_state, axis)
         steps, loss_fn, has_aux = self._steps, self._loss_fn, self._has_aux
 
-        def grad_of(p, b):
-            shape = jax.eval_shape(loss_fn, p, b)
+        def grad_of(fn, p, b):
+            shape = jax.eval_shape(fn, p, b)
             shape = shape[0] if has_aux else shape
             if getattr(shape, "shape", None) != ():
                 raise ValueError(
                     f"data_parallel_grad: loss_fn returned {getattr(shape, 'shape', shape)}, "
                     "not a scalar (reduce it, e.g. with jnp.mean, before returning it)")
-            out, g = jax.value_and_grad(loss_fn, has_aux=has_aux)(p, b)
+            out, g = jax.value_and_grad(fn, has_aux=has_aux)(p, b)
             loss, aux = out if has_aux else (out, None)
             return loss, aux, g
 
+        scatter = functools.partial(_scatter_leaf, axis=axis, codec=self._codec,
+                                    mean=self._mean, backend=self._backend)
+
         def local(flat_params, batch, state):
-            full = [x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
-                    for x, d in zip(flat_params, layout.data_dim, strict=True)]
-            p = treedef.unflatten(full)
             if steps == 1:
-                loss, aux, g = grad_of(p, batch)
+                # the gradient of a leaf split over data leaves autodiff already reduced into
+                # its shard: the gather's VJP is the codec's reduce-scatter, so each leaf's
+                # whole per-replica gradient lives only until its reduce-scatter
+                def on_shards(shards, b):
+                    full = [x if d is None else _gather(x, d, scatter)
+                            for x, d in zip(shards, layout.data_dim, strict=True)]
+                    with _linen_rules_without(axis):
+                        return loss_fn(treedef.unflatten(full), b)
+
+                loss, aux, g = grad_of(on_shards, flat_params, batch)
+                gl = list(g)
+                p = None
             else:  # accumulate in fp32 on each replica, reduce once
+                full = [x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
+                        for x, d in zip(flat_params, layout.data_dim, strict=True)]
+                p = treedef.unflatten(full)
                 micro = jax.tree.map(
                     lambda x: x.reshape(steps, x.shape[0] // steps, *x.shape[1:]), batch)
-                loss, aux, g = jax.lax.map(lambda b: grad_of(p, b), micro)
+                with _linen_rules_without(axis):
+                    loss, aux, g = jax.lax.map(lambda b: grad_of(loss_fn, p, b), micro)
                 loss = jnp.mean(loss)
                 g = jax.tree.map(lambda x: jnp.mean(x, axis=0), g)
                 if has_aux:
                     aux = _combine_micro(aux, self._aux_reduce)
-            gl = treedef.flatten_up_to(g)
-            out = [None if d is None else
-                   _scatter_leaf(x, d, axis, self._codec, self._mean, self._backend)
-                   for x, d in zip(gl, layout.data_dim, strict=True)]
+                gl = [x if d is None else scatter(x, d) for x, d in
+                      zip(treedef.flatten_up_to(g), layout.data_dim, strict=True)]
+            out = [None if d is None else x for x, d in zip(gl, layout.data_dim, strict=True)]
             if own:
                 rest = {i: x for i, (x, s) in enumerate(zip(gl, split, strict=True)) if not s}
                 if rest:
                     reduced, _ = stage.update(rest, stage.init(rest), None)
                     out = [reduced[i] if o is None else o for i, o in enumerate(out)]
             else:
-                reduced, state = stage.update(g, state, p)
+                if p is None:
+                    p = treedef.unflatten(flat_params)
+                reduced, state = stage.update(treedef.unflatten(gl), state, p)
                 out = treedef.flatten_up_to(reduced)
             loss = (jax.lax.pmean if self._mean else jax.lax.psum)(loss, axis)
             if has_aux:
@@ -353,6 +389,31 @@ class DataParallelGrad:
         grads = [_place(g, NamedSharding(mesh, s))
                  for g, s in zip(grads, layout.specs, strict=True)]
         return loss, treedef.unflatten(grads), new_state, aux
+
+
+def _linen_rules_without(axis: str):
+    """Flax linen's logical-axis rules in context with ``axis`` taken out: inside the map
+    the data axis is manual, and a ``with_logical_constraint`` of the activations' batch
+    dimension onto it would fail (``with_sharding_constraint`` can only refer to Auto axes);
+    the rows are already split over it. A no-op without flax or without rules."""
+    try:
+        import flax.linen as nn
+        from flax.linen import spmd
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return contextlib.nullcontext()
+    rules = spmd.get_logical_axis_rules()
+    if not rules:
+        return contextlib.nullcontext()
+
+    def drop(mesh_axes):
+        if mesh_axes == axis:
+            return None
+        if isinstance(mesh_axes, (tuple, list)):
+            kept = tuple(a for a in mesh_axes if a != axis)
+            return kept or None
+        return mesh_axes
+
+    return nn.logical_axis_rules(tuple((name, drop(m)) for name, m in rules))
 
 
 def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
