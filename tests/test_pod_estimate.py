@@ -72,11 +72,13 @@ def test_loops_count_their_trips():
     ops = [f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
            f'ROOT %w = {F32_1M} while(%c), condition=%cond, body=%body, '
            'backend_config={"known_trip_count":{"n":"5"}}']
-    r = pe.replay(_module(ops, extra=body), optimal_seconds=6e-4, chip_=CHIP, mesh=None)
+    # the compiler counts the body once: 2 equal compute ops share its optimal_seconds
+    r = pe.replay(_module(ops, extra=body), optimal_seconds=2e-4, chip_=CHIP, mesh=None)
     [coll] = r.collectives
     assert coll.executions == 5
     assert r.comm_s() == pytest.approx(5 * ALL_REDUCE_S)
-    # 6 equal compute ops (1 outside, 5 iterations): shares of optimal_seconds, plus 5 stalls
+    # the replay runs the body 5 times: 6 ops of 1e-4 s, plus 5 stalls
+    assert r.compute_s == pytest.approx(6e-4) and r.optimal_seconds == 2e-4
     assert r.step_s == pytest.approx(6e-4 + 5 * ALL_REDUCE_S)
 
 

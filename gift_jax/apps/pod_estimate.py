@@ -5,9 +5,12 @@ facts of the compiled program are combined with the chip's published bandwidths
 (:data:`CHIPS`):
 
 1. **Compute.** ``compiled.cost_analysis()["optimal_seconds"]``, the TPU compiler's own
-   roofline estimate of the whole program. It counts a collective's HBM reads and writes like
-   any other op's but not its time on the links (checked: a lone 256 MiB ``psum`` and an
-   elementwise op of the same size get the same ``optimal_seconds``).
+   roofline estimate of the program. It counts a collective's HBM reads and writes like any
+   other op's but not its time on the links (checked: a lone 256 MiB ``psum`` and an
+   elementwise op of the same size get the same ``optimal_seconds``), and it counts a loop's
+   body once whatever its trip count (checked: a ``lax.scan`` of 4 or 16 matmuls gets the
+   same figure), so the replay below multiplies each body by its trip count: a scanned layer
+   stack and an accumulation loop are most of a step.
 2. **Communication.** Each collective's bytes per device (the bus model of
    :mod:`gift_jax.comm.wire`) over the link it crosses: ICI inside a slice, at half the
    chip's bidirectional ICI bandwidth (every port sending at once: a lower bound on the
@@ -17,12 +20,13 @@ facts of the compiled program are combined with the chip's published bandwidths
 3. **Overlap, from the compiled schedule.** The scheduled HLO is replayed in order
    (:func:`replay`): a compute op advances the clock by its share of ``optimal_seconds``
    (its roofline time ``max(flops / peak, bytes / HBM)`` from the shapes in the HLO, scaled
-   so the shares sum to ``optimal_seconds``); an asynchronous collective's ``*-start`` puts
-   it on its link's queue (one collective at a time per link, in issue order) and its
-   ``*-done`` waits for it; a synchronous collective waits at once; a loop (a scanned
-   layer stack, an accumulation loop) costs its body's replayed time per iteration. The
-   clock at the end is the estimated step time; what it exceeds ``optimal_seconds`` by is
-   the **exposed** communication, the part that compute does not cover.
+   so the shares, each loop body counted once, sum to ``optimal_seconds``); an asynchronous
+   collective's ``*-start`` puts it on its link's queue (one collective at a time per link,
+   in issue order) and its ``*-done`` waits for it; a synchronous collective waits at once;
+   a loop (a scanned layer stack, an accumulation loop) costs its body's replayed time per
+   iteration. The
+   clock at the end is the estimated step time; what it exceeds the compute (loops
+   counted) by is the **exposed** communication, the part that compute does not cover.
 
 The estimate is a model, and states its assumptions: links at their published peak, no
 latency per collective, compute at the compiler's roofline (real MFU is lower, so exposed
@@ -231,9 +235,10 @@ class Collective:
 class Replay:
     """The replayed schedule of one compiled step."""
 
-    compute_s: float  # the compiler's optimal_seconds
+    compute_s: float  # the compiler's optimal_seconds with every loop times its trip count
     step_s: float  # the clock at the end of the replay
     collectives: tuple[Collective, ...]
+    optimal_seconds: float = 0.0  # the compiler's own figure (a loop body counted once)
 
     @property
     def exposed_s(self) -> float:
@@ -301,9 +306,13 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
     costs = _Costs(comps, chip_)
     found: list[Collective] = []
 
+    compute = [0.0]  # scaled compute seconds of the replay, loops times their trips
+
     def run(comp: str, executions: int, raw: bool) -> float:
-        """Replays ``comp`` once; returns its duration (raw roofline seconds if ``raw``,
-        else scaled compute plus stalls), recording collectives when not ``raw``."""
+        """Replays ``comp`` once; returns its duration: with ``raw``, the roofline seconds of
+        its compute with every loop body counted once (as the compiler's cost analysis
+        counts them); else scaled compute plus stalls, loops times their trip counts, and
+        the collectives recorded."""
         clock, free = 0.0, {"ICI": 0.0, "DCN": 0.0}
         pending: dict[str, tuple[float, int]] = {}  # start name -> (finish, index)
         types = {i.name: i.type for i in comps.get(comp, ())}
@@ -344,20 +353,25 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                 m = _TRIP.search(ins.attrs)
                 trips = int(m.group(1)) if m else 1
                 body = _BODY.search(ins.attrs)
-                if body:
+                if body and raw:
+                    clock += run(body.group(1), executions, raw)
+                elif body:
                     clock += trips * run(body.group(1), executions * trips, raw)
             elif ins.op in ("call", "conditional"):
                 called = ins.called()
                 times = [run(c, executions, raw) for c in called]
                 clock += max(times) if ins.op == "conditional" and times else sum(times)
             elif ins.op not in _FREE and not ins.op.endswith("-done"):
-                clock += costs.seconds(ins, types) * (1.0 if raw else scale)
+                seconds = costs.seconds(ins, types) * (1.0 if raw else scale)
+                clock += seconds
+                if not raw:
+                    compute[0] += seconds * executions
         return clock
 
     raw_total = run(entry, 1, raw=True)
     scale = optimal_seconds / raw_total if raw_total > 0 else 0.0
     step = run(entry, 1, raw=False)
-    return Replay(optimal_seconds, step, tuple(found))
+    return Replay(compute[0], step, tuple(found), optimal_seconds)
 
 
 def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False) -> Replay:
