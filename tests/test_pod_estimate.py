@@ -64,14 +64,21 @@ def test_one_link_carries_one_collective_at_a_time():
     assert r.comm_s("ICI") == pytest.approx(2 * ALL_REDUCE_S)
 
 
-def test_loops_count_their_trips():
+@pytest.mark.parametrize("annotated", [True, False])
+def test_loops_count_their_trips(annotated):
+    """XLA's known_trip_count annotation, or (as the TPU compiler's scheduled HLO has it) the
+    constant bound of the loop's condition."""
     body = ("%body (t: f32[262144]) -> f32[262144] {\n"
             f"  %t = {F32_1M} parameter(0)\n"
             f"  %m = {F32_1M} multiply(%t, %t)\n"
-            f"  ROOT %r = {F32_1M} all-reduce(%m), {GROUP}\n}}\n\n")
+            f"  ROOT %r = {F32_1M} all-reduce(%m), {GROUP}\n}}\n\n"
+            "%cond (c: (s32[], f32[262144])) -> pred[] {\n"
+            "  %bound = s32[] constant(5)\n"
+            "  %i = s32[] get-tuple-element(%c), index=0\n"
+            "  ROOT %lt = pred[] compare(%i, %bound), direction=LT\n}\n\n")
+    trips = ', backend_config={"known_trip_count":{"n":"5"}}' if annotated else ""
     ops = [f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
-           f'ROOT %w = {F32_1M} while(%c), condition=%cond, body=%body, '
-           'backend_config={"known_trip_count":{"n":"5"}}']
+           f"ROOT %w = {F32_1M} while(%c), condition=%cond, body=%body{trips}"]
     # the compiler counts the body once: 2 equal compute ops share its optimal_seconds
     r = pe.replay(_module(ops, extra=body), optimal_seconds=2e-4, chip_=CHIP, mesh=None)
     [coll] = r.collectives

@@ -275,6 +275,24 @@ class Replay:
                 and (axes is None or set(c.axes) & set(axes))]
 
 
+_COND = re.compile(r"\bcondition=(%[\w.\-]+)")
+_CONST = re.compile(r"constant\((\d+)\)")
+
+
+def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]]) -> int:
+    """A loop's trip count: XLA's ``known_trip_count`` where the backend config has it, else
+    the bound of its condition (``counter < N`` against a constant, a ``lax.scan``'s form;
+    the TPU compiler's scheduled HLO drops the annotation), else 1."""
+    m = _TRIP.search(ins.attrs)
+    if m:
+        return int(m.group(1))
+    cond = _COND.search(ins.attrs)
+    lines = comps.get(cond.group(1), ()) if cond else ()
+    bounds = [int(c.group(1)) for i in lines for c in [_CONST.search(i.line)] if c]
+    compares = [i for i in lines if i.op == "compare" and "direction=LT" in i.attrs]
+    return bounds[0] if len(bounds) == 1 and compares else 1
+
+
 def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:
     """The collective an instruction issues: itself, or the one inside an async wrapper."""
     if ins.op.removesuffix("-start") in _COLLECTIVES:
@@ -350,8 +368,7 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                     found[index] = dataclasses.replace(found[index], stall=finish - clock)
                     clock = finish
             elif ins.op == "while":
-                m = _TRIP.search(ins.attrs)
-                trips = int(m.group(1)) if m else 1
+                trips = _trip_count(ins, comps)
                 body = _BODY.search(ins.attrs)
                 if body and raw:
                     clock += run(body.group(1), executions, raw)
