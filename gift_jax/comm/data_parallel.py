@@ -217,7 +217,7 @@ class DataParallelGrad:
     """
 
     def __init__(self, loss_fn, mesh, data_axis, comm, param_specs, has_aux, aux_reduce,
-                 batch_spec, mean, backend, accumulate_steps):
+                 batch_spec, mean, backend, accumulate_steps, wrap=None, stage_args=None):
         self.mesh, self.data_axis = mesh, data_axis
         self._size = _check_mesh(mesh, data_axis)
         if isinstance(comm, optax.MultiSteps):
@@ -228,8 +228,15 @@ class DataParallelGrad:
         if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
             raise ValueError(f"data_parallel_grad: accumulate_steps={accumulate_steps!r} must "
                              "be a positive int")
-        self._own = isinstance(comm, (str, Codec))
-        if self._own:
+        self._own = isinstance(comm, (str, Codec)) and wrap is None  # stateless
+        self._wrap, self._stage_args = wrap, stage_args
+        if stage_args is not None and not has_aux:
+            raise ValueError("data_parallel_grad: stage_args reads the loss's aux: it needs "
+                             "has_aux=True")
+        if wrap is not None and not isinstance(comm, (str, Codec)):
+            raise TypeError("data_parallel_grad: wrap= wraps the all-reduce built from a codec "
+                            "name; pass comm as a codec name (or your whole stage without wrap)")
+        if isinstance(comm, (str, Codec)):
             self._codec = get_codec(comm)
         elif isinstance(comm, optax.GradientTransformation):
             self._codec = None
@@ -256,13 +263,16 @@ class DataParallelGrad:
                 "gradient is reduce-scattered by its codec: pass comm as a codec name, not "
                 f"a {type(self.stage).__name__} stage")
         stage = self.stage
-        if self._own:
+        if isinstance(stage, (str, Codec)):
             shards = None
             if layout.model_axes:
-                specs_of = _indexed_specs(layout.model_specs)
+                specs_of = (_indexed_specs(layout.model_specs) if self._own else
+                            _tree_specs(layout.model_specs))
                 shards = LocalShards(layout.model_axes, specs_of)
             stage = allreduce(self.data_axis, self._codec, mean=self._mean,
                               backend=self._backend, shards=shards)
+            if self._wrap is not None:
+                stage = self._wrap(stage)
         return layout, split, stage
 
     def init(self, params: Any) -> Any:
@@ -374,7 +384,8 @@ class DataParallelGrad:
             else:
                 if p is None:
                     p = treedef.unflatten(flat_params)
-                reduced, state = stage.update(treedef.unflatten(gl), state, p)
+                extra = {} if self._stage_args is None else self._stage_args(aux)
+                reduced, state = stage.update(treedef.unflatten(gl), state, p, **extra)
                 out = treedef.flatten_up_to(reduced)
             loss = (jax.lax.pmean if self._mean else jax.lax.psum)(loss, axis)
             if has_aux:
@@ -425,6 +436,15 @@ def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _tree_specs(model_specs: list) -> Callable[[Any], Any]:
+    """``LocalShards.specs`` of trees like the parameters (a wrapped stage's)."""
+
+    def specs(tree):
+        return jax.tree.unflatten(jax.tree.structure(tree), model_specs)
+
+    return specs
+
+
 def _indexed_specs(model_specs: list) -> Callable[[Any], Any]:
     """``LocalShards.specs`` of the ``{index: leaf}`` dicts the codec-name stage reduces."""
 
@@ -461,6 +481,8 @@ def data_parallel_grad(
     mean: bool = True,
     backend: str = "auto",
     accumulate_steps: int = 1,
+    wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None = None,
+    stage_args: Callable[[Any], dict[str, Any]] | None = None,
 ) -> DataParallelGrad:
     """The quantized data-parallel gradient of ``loss_fn``, for a GSPMD step (a plain
     ``jax.jit``): ``loss, grads, comm_state, aux = grad_fn(params, batch, comm_state)``.
@@ -495,6 +517,16 @@ def data_parallel_grad(
       accumulate_steps: split each replica's rows into this many microbatches, accumulate
         their gradients in fp32 on the replica and reduce once (what ``optax.MultiSteps``
         around the reduction would do, without reducing every microbatch).
+      wrap: with ``comm`` a codec name: a callable given the :func:`~gift_jax.allreduce` stage
+        built for the parameters' layout (with its :class:`~gift_jax.comm.stage.LocalShards`
+        when they are split over other axes) that returns the stage to use, e.g.
+        ``lambda ar: gift_jax.gift(ar, layers=["*/mlp/down"], axis_name="data")``; its state
+        comes from :meth:`DataParallelGrad.init`.
+      stage_args: with ``has_aux`` and a stateful stage: ``aux → dict`` of keyword arguments
+        for the stage's ``update``, called on each replica's own ``aux`` inside the map
+        (GIFT's refresh: ``lambda aux: {"gift_stats": aux["stats"]}``, the statistics of that
+        replica's rows, which GIFT averages over its ``axis_name`` itself). Ignored without a
+        stage (a codec name alone), so a port can switch GIFT off by ``wrap=None``.
 
     Returns:
       A :class:`DataParallelGrad`.
@@ -506,7 +538,7 @@ def data_parallel_grad(
       TypeError: ``comm`` is not a codec or a stage (``optax.MultiSteps`` included).
     """
     return DataParallelGrad(loss_fn, mesh, data_axis, comm, param_specs, has_aux, aux_reduce,
-                            batch_spec, mean, backend, accumulate_steps)
+                            batch_spec, mean, backend, accumulate_steps, wrap, stage_args)
 
 
 def reduce_gradients(
