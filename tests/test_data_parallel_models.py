@@ -1,5 +1,5 @@
-"""gift_jax.data_parallel_grad on every codec, flax linen and NNX models, a GIFT stage, and
-gradient accumulation (reduce once)."""
+"""gift_jax.data_parallel_grad on every codec, flax linen and NNX models, GIFT and PLUMAGE
+stages, and gradient accumulation (reduce once)."""
 
 import flax.linen as nn
 import jax
@@ -142,3 +142,24 @@ def test_flax_nnx_model_and_a_gift_stage_whose_state_is_the_callers():
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(exact), strict=True):
         assert float(jnp.abs(a - b).max()) < 0.1 * float(jnp.abs(b).max())
     assert jax.tree.structure(comm_state2) == jax.tree.structure(comm_state)
+
+
+def test_plumage_with_its_communication_is_a_stage_whose_updates_come_back():
+    """PLUMAGE with ``communicate=`` is a whole optimizer: its state lives in the caller's
+    train state and its output (updates, reduced in fp8) takes the place of the gradients."""
+    mesh = _mesh((8,), ("data",))
+    params, x = _problem(mesh, {"up": P(), "down": P()})
+    tx = gift_jax.plumage(learning_rate=1e-2, rank=4, refresh_every=2,
+                          communicate=gift_jax.allreduce("data", codec="fp8_e4m3"))
+    steps = {refresh: jax.jit(gift_jax.data_parallel_grad(
+        _loss, mesh, comm=tx, stage_args=lambda _, r=refresh: {"plumage_refresh": r}))
+        for refresh in (True, False)}
+    state = gift_jax.data_parallel_grad(_loss, mesh, comm=tx).init(params)
+    losses = []
+    for i in range(6):
+        refresh = bool(gift_jax.plumage_refresh_due(state))
+        assert refresh == (i % 2 == 0)
+        loss, updates, state, _ = steps[refresh](params, x, state)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses

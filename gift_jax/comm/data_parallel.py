@@ -230,9 +230,6 @@ class DataParallelGrad:
                              "be a positive int")
         self._own = isinstance(comm, (str, Codec)) and wrap is None  # stateless
         self._wrap, self._stage_args = wrap, stage_args
-        if stage_args is not None and not has_aux:
-            raise ValueError("data_parallel_grad: stage_args reads the loss's aux: it needs "
-                             "has_aux=True")
         if wrap is not None and not isinstance(comm, (str, Codec)):
             raise TypeError("data_parallel_grad: wrap= wraps the all-reduce built from a codec "
                             "name; pass comm as a codec name (or your whole stage without wrap)")
@@ -522,11 +519,14 @@ def data_parallel_grad(
         when they are split over other axes) that returns the stage to use, e.g.
         ``lambda ar: gift_jax.gift(ar, layers=["*/mlp/down"], axis_name="data")``; its state
         comes from :meth:`DataParallelGrad.init`.
-      stage_args: with ``has_aux`` and a stateful stage: ``aux → dict`` of keyword arguments
-        for the stage's ``update``, called on each replica's own ``aux`` inside the map
-        (GIFT's refresh: ``lambda aux: {"gift_stats": aux["stats"]}``, the statistics of that
-        replica's rows, which GIFT averages over its ``axis_name`` itself). Ignored without a
-        stage (a codec name alone), so a port can switch GIFT off by ``wrap=None``.
+      stage_args: with a stateful stage: ``aux → dict`` of keyword arguments for the stage's
+        ``update``, called on each replica's own ``aux`` (``None`` without ``has_aux``) inside
+        the map. GIFT's refresh: ``lambda aux: {"gift_stats": aux}``, the statistics of that
+        replica's rows, which GIFT averages over its ``axis_name`` itself; PLUMAGE's:
+        ``lambda _: {"plumage_refresh": True}`` (a static choice: one ``grad_fn`` per
+        variant). Ignored without a stage (a codec name alone), so a port can switch GIFT off
+        by ``wrap=None``. A stage that is a whole optimizer (``gift_jax.plumage(...,
+        communicate=...)``) returns its updates, which take the place of ``grads``.
 
     Returns:
       A :class:`DataParallelGrad`.
