@@ -64,6 +64,8 @@ def test_accumulate_steps_reduces_once_and_averages_the_microbatches():
     hlo = jax.jit(fp8).lower(params, x).compile().as_text()
     over = gift_jax.parse_hlo(hlo, mesh=mesh).over("data")
     assert sum(op.kind == "all-to-all" for op in over.ops) == 2  # one per leaf, not per micro
+    with pytest.raises(ValueError, match="not divisible into accumulate_steps=3"):
+        jax.jit(gift_jax.data_parallel_grad(_loss, mesh, accumulate_steps=3))(params, x)
 
 
 def test_flax_linen_with_logical_partitioning_and_rules():

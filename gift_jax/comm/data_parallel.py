@@ -212,8 +212,8 @@ class DataParallelGrad:
     Attributes:
       mesh: the device mesh.
       data_axis: the mesh axis of data parallelism.
-      stage: the all-reduce stage that reduces the leaves not split over ``data_axis``
-        (an :func:`~gift_jax.allreduce` built from a codec name, or the caller's own stage).
+      stage: ``comm`` as given: a codec name (an :func:`~gift_jax.allreduce` is built from
+        it for the parameters' layout) or the caller's own stage.
     """
 
     def __init__(self, loss_fn, mesh, data_axis, comm, param_specs, has_aux, aux_reduce,
@@ -362,6 +362,12 @@ class DataParallelGrad:
                 full = [x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
                         for x, d in zip(flat_params, layout.data_dim, strict=True)]
                 p = treedef.unflatten(full)
+                for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+                    if not x.shape or x.shape[0] % steps:
+                        raise ValueError(
+                            f"data_parallel_grad: batch leaf {leaf_path(path)!r} has "
+                            f"{x.shape[0] if x.shape else 0} rows per replica, not divisible "
+                            f"into accumulate_steps={steps} microbatches")
                 micro = jax.tree.map(
                     lambda x: x.reshape(steps, x.shape[0] // steps, *x.shape[1:]), batch)
                 with _linen_rules_without(axis):
