@@ -224,3 +224,30 @@ def test_bad_input_is_one_line():
     with pytest.raises(TypeError) as e:
         gift_jax.data_parallel_grad(_loss, mesh, comm=optax.MultiSteps(optax.sgd(1.0), 2))
     assert "accumulate_steps" in one_line(e)
+
+
+def test_error_feedback_on_fsdp_shards_keeps_one_buffer_per_device():
+    """allreduce_options with error feedback on a (data, fsdp) mesh: each device's buffers
+    hold its own shard's error (per device over data *and* fsdp), kept in the train state."""
+    shape, names, specs = MESHES["fsdp_axis"]
+    mesh = _mesh(shape, names)
+    params, batch, specs = _problem(mesh, specs)
+    grad_fn = gift_jax.data_parallel_grad(_loss, mesh, param_specs=specs,
+                                          allreduce_options={"error_feedback": True})
+    state = grad_fn.init(params)
+    step = jax.jit(grad_fn)
+    _, g1, state, _ = step(params, batch, state)
+    _, g2, state, _ = step(params, batch, state)
+    local, _ = state.residuals
+    assert local["up"].shape == (4, 16, 64), local["up"].shape  # one per replica
+    assert float(jnp.abs(local["up"]).max()) > 0
+    assert local["up"].sharding.spec == P("data", None, "fsdp")
+    assert state.residuals[1][0].sharding.spec == P(("data", "fsdp"))  # the owners' rows
+    exact = jax.jit(jax.grad(_loss))(params, batch)
+    for k in exact:
+        for g in (g1, g2):
+            assert float(jnp.abs(g[k] - exact[k]).max()) < 0.2 * float(jnp.abs(exact[k]).max())
+            assert g[k].sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), g[k].ndim)
+    with pytest.raises(ValueError) as e:
+        gift_jax.data_parallel_grad(_loss, mesh, allreduce_options={"mean": False})
+    assert "sets 'mean'" in str(e.value)

@@ -217,7 +217,8 @@ class DataParallelGrad:
     """
 
     def __init__(self, loss_fn, mesh, data_axis, comm, param_specs, has_aux, aux_reduce,
-                 batch_spec, mean, backend, accumulate_steps, wrap=None, stage_args=None):
+                 batch_spec, mean, backend, accumulate_steps, wrap=None, stage_args=None,
+                 allreduce_options=None):
         self.mesh, self.data_axis = mesh, data_axis
         self._size = _check_mesh(mesh, data_axis)
         if isinstance(comm, optax.MultiSteps):
@@ -228,7 +229,16 @@ class DataParallelGrad:
         if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
             raise ValueError(f"data_parallel_grad: accumulate_steps={accumulate_steps!r} must "
                              "be a positive int")
-        self._own = isinstance(comm, (str, Codec)) and wrap is None  # stateless
+        self._options = dict(allreduce_options or {})
+        for key in ("mean", "backend", "shards"):
+            if key in self._options:
+                raise ValueError(f"data_parallel_grad: allreduce_options sets {key!r}, which "
+                                 "data_parallel_grad sets itself (pass it to data_parallel_grad)")
+        if self._options and not isinstance(comm, (str, Codec)):
+            raise TypeError("data_parallel_grad: allreduce_options configure the all-reduce "
+                            "built from a codec name; pass comm as a codec name")
+        stateful = any(self._options.get(k) for k in ("error_feedback", "stochastic_rounding"))
+        self._own = isinstance(comm, (str, Codec)) and wrap is None and not stateful
         self._wrap, self._stage_args = wrap, stage_args
         if wrap is not None and not isinstance(comm, (str, Codec)):
             raise TypeError("data_parallel_grad: wrap= wraps the all-reduce built from a codec "
@@ -257,8 +267,8 @@ class DataParallelGrad:
             name = next(n for n, s in zip(_paths(params), split, strict=True) if s)
             raise ValueError(
                 f"data_parallel_grad: {name!r} is split over {self.data_axis!r}, whose "
-                "gradient is reduce-scattered by its codec: pass comm as a codec name, not "
-                f"a {type(self.stage).__name__} stage")
+                "gradient is reduce-scattered by the codec alone: pass comm as a codec name "
+                "without a stage, wrap= or stateful allreduce_options")
         stage = self.stage
         if isinstance(stage, (str, Codec)):
             shards = None
@@ -267,7 +277,7 @@ class DataParallelGrad:
                             _tree_specs(layout.model_specs))
                 shards = LocalShards(layout.model_axes, specs_of)
             stage = allreduce(self.data_axis, self._codec, mean=self._mean,
-                              backend=self._backend, shards=shards)
+                              backend=self._backend, shards=shards, **self._options)
             if self._wrap is not None:
                 stage = self._wrap(stage)
         return layout, split, stage
@@ -486,6 +496,7 @@ def data_parallel_grad(
     accumulate_steps: int = 1,
     wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None = None,
     stage_args: Callable[[Any], dict[str, Any]] | None = None,
+    allreduce_options: dict[str, Any] | None = None,
 ) -> DataParallelGrad:
     """The quantized data-parallel gradient of ``loss_fn``, for a GSPMD step (a plain
     ``jax.jit``): ``loss, grads, comm_state, aux = grad_fn(params, batch, comm_state)``.
@@ -533,6 +544,11 @@ def data_parallel_grad(
         variant). Ignored without a stage (a codec name alone), so a port can switch GIFT off
         by ``wrap=None``. A stage that is a whole optimizer (``gift_jax.plumage(...,
         communicate=...)``) returns its updates, which take the place of ``grads``.
+      allreduce_options: with ``comm`` a codec name: further :func:`~gift_jax.allreduce`
+        settings (``error_feedback``, ``stochastic_rounding``, ``block_size``, ``policy`` …;
+        not ``mean``, ``backend`` or ``shards``, which this function sets). With error
+        feedback or stochastic rounding the reduction has state (:meth:`DataParallelGrad.init`).
+        Leaves split over the data axis take the codec alone.
 
     Returns:
       A :class:`DataParallelGrad`.
@@ -544,7 +560,8 @@ def data_parallel_grad(
       TypeError: ``comm`` is not a codec or a stage (``optax.MultiSteps`` included).
     """
     return DataParallelGrad(loss_fn, mesh, data_axis, comm, param_specs, has_aux, aux_reduce,
-                            batch_spec, mean, backend, accumulate_steps, wrap, stage_args)
+                            batch_spec, mean, backend, accumulate_steps, wrap, stage_args,
+                            allreduce_options)
 
 
 def reduce_gradients(
