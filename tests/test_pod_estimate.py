@@ -1,7 +1,7 @@
-"""The step-time model of gift_jax.apps.pod_estimate on hand-written schedules: compute shares
-that sum to the compiler's optimal_seconds, synchronous collectives fully exposed, async ones
-covered by the compute between start and done, one link at a time, loops by their trip
-count, and the chip table's one-line errors."""
+"""The step-time model of gift_jax.apps.pod_estimate on hand-written schedules: each op's
+roofline time from its shapes, synchronous collectives fully exposed, async ones covered by
+the compute between start and done, one link at a time, loops by their trip count, and the
+chip table's one-line errors."""
 
 import pytest
 
@@ -25,6 +25,7 @@ def _compute(name: str, src: str) -> str:
 
 
 ALL_REDUCE_S = 2 * 3 / 4 * 2**20 / 1e9  # bus bytes of a 1 MiB all-reduce on 4, at 1 GB/s
+OP_S = 2 * 2**20 / 1e9  # an elementwise op of _compute: its operand and result at 1 GB/s
 
 
 def test_synchronous_collective_is_fully_exposed():
@@ -34,7 +35,8 @@ def test_synchronous_collective_is_fully_exposed():
     [coll] = r.collectives
     assert coll.kind == "all-reduce" and coll.link == "ICI"
     assert coll.seconds == pytest.approx(ALL_REDUCE_S)
-    assert r.step_s == pytest.approx(1e-3 + ALL_REDUCE_S)
+    assert r.compute_s == pytest.approx(OP_S) and r.optimal_seconds == 1e-3  # reported only
+    assert r.step_s == pytest.approx(OP_S + ALL_REDUCE_S)
     assert r.exposed_s == pytest.approx(ALL_REDUCE_S) == pytest.approx(r.stall_s())
 
 
@@ -45,11 +47,9 @@ def test_async_collective_is_covered_by_the_compute_between_start_and_done(betwe
     ops += [_compute(f"b{i}", "c0") for i in range(between)]
     ops += [f"%ard = {F32_1M} all-reduce-done(%ars)", _compute("after", "ard")]
     hlo = _module(ops)
-    # every compute op moves the same bytes, so each gets an equal share of optimal_seconds
-    per_op = 1e-4
-    r = pe.replay(hlo, optimal_seconds=per_op * (between + 2), chip_=CHIP, mesh=None)
-    covered = min(ALL_REDUCE_S, between * per_op)
-    assert r.compute_s == pytest.approx(per_op * (between + 2))
+    r = pe.replay(hlo, optimal_seconds=0.0, chip_=CHIP, mesh=None)
+    covered = min(ALL_REDUCE_S, between * OP_S)
+    assert r.compute_s == pytest.approx(OP_S * (between + 2))
     assert r.exposed_s == pytest.approx(ALL_REDUCE_S - covered)
     assert r.collectives[0].stall == pytest.approx(ALL_REDUCE_S - covered)
 
@@ -79,14 +79,13 @@ def test_loops_count_their_trips(annotated):
     trips = ', backend_config={"known_trip_count":{"n":"5"}}' if annotated else ""
     ops = [f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
            f"ROOT %w = {F32_1M} while(%c), condition=%cond, body=%body{trips}"]
-    # the compiler counts the body once: 2 equal compute ops share its optimal_seconds
-    r = pe.replay(_module(ops, extra=body), optimal_seconds=2e-4, chip_=CHIP, mesh=None)
+    r = pe.replay(_module(ops, extra=body), optimal_seconds=0.0, chip_=CHIP, mesh=None)
     [coll] = r.collectives
     assert coll.executions == 5
     assert r.comm_s() == pytest.approx(5 * ALL_REDUCE_S)
-    # the replay runs the body 5 times: 6 ops of 1e-4 s, plus 5 stalls
-    assert r.compute_s == pytest.approx(6e-4) and r.optimal_seconds == 2e-4
-    assert r.step_s == pytest.approx(6e-4 + 5 * ALL_REDUCE_S)
+    # the body runs 5 times: 6 compute ops in all, plus 5 synchronous all-reduces
+    assert r.compute_s == pytest.approx(6 * OP_S)
+    assert r.step_s == pytest.approx(6 * OP_S + 5 * ALL_REDUCE_S)
 
 
 def test_matmul_flops_weigh_more_than_their_bytes():

@@ -266,7 +266,8 @@ class PodCompile:
             ms = lambda t: float(f"{t * 1e3:.4g}")
             data_comm = e.comm_s(axes=axes) + e.comm_s("DCN")
             data_stall = e.stall_s(axes=axes) + e.stall_s("DCN")
-            row.update({"flags": self.flags, "compute_ms": ms(e.compute_s),
+            row.update({"flags": self.flags, "optimal_ms": ms(e.optimal_seconds),
+                        "compute_ms": ms(e.compute_s),
                         "ici_ms": ms(e.comm_s("ICI")), "dcn_ms": ms(e.comm_s("DCN")),
                         "exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
                         "data_covered": round(max(0.0, 1 - data_stall / data_comm), 3)

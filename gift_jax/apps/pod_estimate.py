@@ -1,39 +1,38 @@
-"""A train step's time on a TPU pod, estimated from the TPU compiler's own numbers.
+"""A train step's time on a TPU pod, estimated from the compiled program and the chip's
+published figures.
 
-No pod is run. The step is compiled for a pod's devices (:mod:`gift_jax.apps.pod`) and three
-facts of the compiled program are combined with the chip's published bandwidths
-(:data:`CHIPS`):
+No pod is run. The step is compiled for a pod's devices (:mod:`gift_jax.apps.pod`), and its
+scheduled HLO is replayed in order (:func:`replay`) against :data:`CHIPS`:
 
-1. **Compute.** ``compiled.cost_analysis()["optimal_seconds"]``, the TPU compiler's own
-   roofline estimate of the program. It counts a collective's HBM reads and writes like any
-   other op's but not its time on the links (checked: a lone 256 MiB ``psum`` and an
-   elementwise op of the same size get the same ``optimal_seconds``), and it counts a loop's
-   body once whatever its trip count (checked: a ``lax.scan`` of 4 or 16 matmuls gets the
-   same figure), so the replay below multiplies each body by its trip count: a scanned layer
-   stack and an accumulation loop are most of a step.
+1. **Compute.** Every op's roofline time from the shapes in the HLO, ``max(flops / peak,
+   bytes / HBM bandwidth)`` (FLOPs of its matmuls and convolutions, including those fused
+   into it; bytes of its operands and result), and a loop's body times its trip count (a
+   scanned layer stack inside an accumulation loop is most of a step). The compiler's own
+   ``compiled.cost_analysis()["optimal_seconds"]`` is reported beside it and not used: it
+   counts a loop's body once whatever the trip count (checked: a ``lax.scan`` of 4 or of 16
+   matmuls gets the same figure), so for a scanned model it is not the step's compute. It
+   counts a collective's HBM reads and writes like any op's but not its time on the links
+   (checked: a lone 256 MiB ``psum`` and an elementwise op of its size get the same figure).
 2. **Communication.** Each collective's bytes per device (the bus model of
    :mod:`gift_jax.comm.wire`) over the link it crosses: ICI inside a slice, at half the
    chip's bidirectional ICI bandwidth (every port sending at once: a lower bound on the
    time of a collective that uses only some ports), and the data-centre network (DCN)
    across slices for the MegaScale ``send`` payloads of a multi-slice job
    (:func:`gift_jax.apps.pod.dcn_bytes`).
-3. **Overlap, from the compiled schedule.** The scheduled HLO is replayed in order
-   (:func:`replay`): a compute op advances the clock by its share of ``optimal_seconds``
-   (its roofline time ``max(flops / peak, bytes / HBM)`` from the shapes in the HLO, scaled
-   so the shares, each loop body counted once, sum to ``optimal_seconds``); an asynchronous
-   collective's ``*-start`` puts it on its link's queue (one collective at a time per link,
-   in issue order) and its ``*-done`` waits for it; a synchronous collective waits at once;
-   a loop (a scanned layer stack, an accumulation loop) costs its body's replayed time per
-   iteration. The
-   clock at the end is the estimated step time; what it exceeds the compute (loops
-   counted) by is the **exposed** communication, the part that compute does not cover.
+3. **Overlap, from the schedule.** A compute op advances the clock by its time; an
+   asynchronous collective's ``*-start`` puts it on its link's queue (one collective at a
+   time per link, in issue order) and its ``*-done`` waits for it; a synchronous collective
+   waits at once; a loop costs its body's replayed time per iteration. The clock at the end
+   is the estimated step time; what it exceeds the compute by is the **exposed**
+   communication, the part that compute does not cover.
 
-The estimate is a model, and states its assumptions: links at their published peak, no
-latency per collective, compute at the compiler's roofline (real MFU is lower, so exposed
-communication is if anything overestimated relative to compute), collectives on one link
+The estimate is a model, and states its assumptions: compute at the roofline (a lower
+bound: real MFU is lower, so the estimate is optimistic and the exposed share of the step
+is if anything overstated), Pallas kernels (``custom-call``) costed by their bytes only,
+links at their published peak, no latency per collective, collectives on one link
 serialised in issue order, and a loop's collectives overlapping only inside their own
 iteration. ``tests/test_pod_estimate.py`` checks the replay on hand-written schedules;
-``docs/pod/`` compares it with a published maxtext figure.
+the README compares it with a published maxtext figure.
 """
 
 from __future__ import annotations
@@ -235,7 +234,7 @@ class Collective:
 class Replay:
     """The replayed schedule of one compiled step."""
 
-    compute_s: float  # the compiler's optimal_seconds with every loop times its trip count
+    compute_s: float  # the ops' roofline seconds, every loop body times its trip count
     step_s: float  # the clock at the end of the replay
     collectives: tuple[Collective, ...]
     optimal_seconds: float = 0.0  # the compiler's own figure (a loop body counted once)
@@ -324,13 +323,11 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
     costs = _Costs(comps, chip_)
     found: list[Collective] = []
 
-    compute = [0.0]  # scaled compute seconds of the replay, loops times their trips
+    compute = [0.0]  # roofline seconds of the replay's compute, loops times their trips
 
-    def run(comp: str, executions: int, raw: bool) -> float:
-        """Replays ``comp`` once; returns its duration: with ``raw``, the roofline seconds of
-        its compute with every loop body counted once (as the compiler's cost analysis
-        counts them); else scaled compute plus stalls, loops times their trip counts, and
-        the collectives recorded."""
+    def run(comp: str, executions: int) -> float:
+        """Replays ``comp`` once (``executions`` times per step); returns its duration,
+        compute plus stalls, loops times their trip counts, recording the collectives."""
         clock, free = 0.0, {"ICI": 0.0, "DCN": 0.0}
         pending: dict[str, tuple[float, int]] = {}  # start name -> (finish, index)
         types = {i.name: i.type for i in comps.get(comp, ())}
@@ -338,8 +335,6 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
             coll = _collective_line(ins, comps)
             is_send = ins.op in ("send", "recv") and _DCN.search(ins.line)
             if coll is not None or is_send:
-                if raw:
-                    continue
                 if is_send:
                     payload = array_bytes(ins.type)
                     nbytes = float(payload[0][1]) if payload and ins.op == "send" else 0.0
@@ -361,8 +356,6 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                     found[-1] = dataclasses.replace(found[-1], stall=finish - clock)
                     clock = finish
             elif ins.op.endswith("-done") and ins.operands and ins.operands[0] in pending:
-                if raw:
-                    continue
                 finish, index = pending.pop(ins.operands[0])
                 if finish > clock:
                     found[index] = dataclasses.replace(found[index], stall=finish - clock)
@@ -370,24 +363,19 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
             elif ins.op == "while":
                 trips = _trip_count(ins, comps)
                 body = _BODY.search(ins.attrs)
-                if body and raw:
-                    clock += run(body.group(1), executions, raw)
-                elif body:
-                    clock += trips * run(body.group(1), executions * trips, raw)
+                if body:
+                    clock += trips * run(body.group(1), executions * trips)
             elif ins.op in ("call", "conditional"):
                 called = ins.called()
-                times = [run(c, executions, raw) for c in called]
+                times = [run(c, executions) for c in called]
                 clock += max(times) if ins.op == "conditional" and times else sum(times)
             elif ins.op not in _FREE and not ins.op.endswith("-done"):
-                seconds = costs.seconds(ins, types) * (1.0 if raw else scale)
+                seconds = costs.seconds(ins, types)
                 clock += seconds
-                if not raw:
-                    compute[0] += seconds * executions
+                compute[0] += seconds * executions
         return clock
 
-    raw_total = run(entry, 1, raw=True)
-    scale = optimal_seconds / raw_total if raw_total > 0 else 0.0
-    step = run(entry, 1, raw=False)
+    step = run(entry, 1)
     return Replay(compute[0], step, tuple(found), optimal_seconds)
 
 
