@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -165,3 +166,28 @@ def test_plumage_with_its_communication_is_a_stage_whose_updates_come_back():
         params = jax.tree.map(lambda p, u: p + u, params, updates)
         losses.append(float(loss))
     assert losses[-1] < losses[0], losses
+
+
+def test_optax_multisteps_around_the_optimizer_composes():
+    """The reduced gradients feed an ``optax.MultiSteps`` optimizer as any gradient does:
+    parameters move every second step (each microbatch is reduced; ``accumulate_steps``
+    reduces once instead)."""
+    mesh = _mesh((8,), ("data",))
+    params, x = _problem(mesh, {"up": P(None, "data"), "down": P()})
+    grad_fn = gift_jax.data_parallel_grad(_loss, mesh,
+                                          param_specs={"up": P(None, "data"), "down": P()})
+    tx = optax.MultiSteps(optax.adamw(1e-2), every_k_schedule=2)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        _, grads, _, _ = grad_fn(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    p1, opt_state = step(params, opt_state, x)
+    p2, opt_state = step(p1, opt_state, x)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p1),
+                                                    strict=True))
+    assert not np.array_equal(p2["up"], p1["up"])
+    assert p2["up"].sharding.spec == P(None, "data")
