@@ -108,3 +108,13 @@ def test_unknown_chips_get_one_line():
                        r"multi-slice step times are estimated for: v5p, v5e$"):
         pe.chip("v6e", multislice=True)
     assert pe.chip("v6e").peak_flops == 918e12
+
+
+def test_windowed_einsum_counts_only_the_taps_that_meet_the_input():
+    """The TPU compiler's windowed einsum: a convolution whose window of 2 slides over a
+    spatial dimension of 1 padded by 1 on each side, so each output takes one real tap."""
+    line = ("%c = bf16[2048,2,32] convolution(%x, %w), window={size=2 pad=1_1 rhs_reversal=1}, "
+            "dim_labels=bf0_i0o->b0f")
+    types = {"%x": "bf16[2048,64,1]", "%w": "bf16[64,2,32]"}
+    [ins] = pe.computations(_module([line]))[0]["%main"]
+    assert pe._flops(ins, types) == 2 * (2048 * 2 * 32) * 64

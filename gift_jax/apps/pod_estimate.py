@@ -174,12 +174,21 @@ def _flops(ins: Instr, types: Mapping[str, str]) -> float:
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
         k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 1
         return 2.0 * out * k
+    lhs = _dims(types.get(ins.operands[0], ""))
     rhs = _dims(types.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
-    m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-    if not rhs or not m or "o" not in m.group(1):
+    m = re.search(r"dim_labels=(\w+)_(\w+)->", ins.attrs)
+    if not rhs or not m or "o" not in m.group(2) or len(m.group(2)) != len(rhs):
         return 0.0
     groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
-    per_output = math.prod(rhs) / rhs[m.group(1).index("o")]
+    per_output = math.prod(rhs) / rhs[m.group(2).index("o")]
+    # a window over a padded input (the TPU compiler's windowed einsums: size 2, pad 1_1 over
+    # a spatial dimension of 1) multiplies only the taps that meet the input
+    sizes = re.search(r"window=\{size=([\dx]+)", ins.attrs)
+    spatial = [lhs[i] for i, c in enumerate(m.group(1)) if c.isdigit()] if lhs else []
+    if sizes and len(spatial) == len(sizes.group(1).split("x")):
+        window = [int(k) for k in sizes.group(1).split("x")]
+        taps = math.prod(min(k, n) for k, n in zip(window, spatial, strict=True))
+        per_output *= taps / math.prod(window)
     return 2.0 * out * per_output / (int(groups.group(1)) if groups else 1)
 
 
