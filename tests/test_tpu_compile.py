@@ -155,13 +155,14 @@ def test_trainer_step_compiles_for_two_slices():
     assert row.row()["compiler"] == "TPU"
     # reduced inside each slice first (mesh.intra_size = the 2 replicas of a slice), only the
     # quantized reduction of half the shard crosses, by ppermute (measured: fp32 80 kB, flat
-    # fp8 51 kB, hierarchical fp8 17 kB per chip; with 4 blocks 270, 165 and 55 kB)
+    # fp8 43 kB, hierarchical fp8 17 kB per chip; flat fp8 was 51 kB while the TPU compiler
+    # turned its flat all-gather into an all-reduce, before the wire buffers became rows)
     [fp32] = compile_mode(config, "fp32", (4, 8, 1), tpu.topology_devices(V5E_2X16),
                           topology=V5E_2X16)
     [hier] = compile_mode(config, "fp8", (4, 8, 1), tpu.topology_devices(V5E_2X16),
                           topology=V5E_2X16, intra=2)
     assert hier.row()["reduction"] == "2 first"
-    assert hier.dcn_bytes < 0.4 * row.dcn_bytes
+    assert hier.dcn_bytes < 0.45 * row.dcn_bytes
     assert hier.dcn_bytes < 0.25 * fp32.dcn_bytes
 
 
