@@ -10,9 +10,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.comm.stage import allreduce, matrices_only
+from gift_jax.comm.stage import allreduce, matrices_only, scales_follow_the_packing
 from gift_jax.utils.matrices import MatrixDimensionNumbers
-from gift_jax.whitening.stage import gift, scales_follow_the_packing, whitened_fraction
+from gift_jax.whitening.stage import gift, whitened_fraction
 from tests.test_gift import KERNEL, D, M, N, _data, _kernel, _mesh, _params
 
 CODEC = "fp8_e4m3"

@@ -331,7 +331,10 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
     ``full_tree``, the tree the :func:`allreduce` ``stage`` reduces) reduced by the stage's
     transport alone: its codecs (each leaf's, as the policy resolves it on ``full_tree``),
     scaling, accumulation and local shards, but no error feedback and rounding to nearest —
-    what one exchange does to these values.  All variants go in one reduction per codec.
+    what one exchange does to these values.  All variants go in one reduction per codec;
+    where the leaves' scales depend on the bucket plan (:func:`scales_follow_the_packing`),
+    each variant is reduced inside the whole tree, packed as a step packs it, so the values
+    are exactly the step's.
     Used to measure transports (GIFT's routing) without touching the stage's state.  Inside
     the stage's ``shard_map``; the results are identical on every replica.
 
@@ -352,6 +355,9 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
     spec, shards = allreduce_spec(stage), allreduce_shards(stage)
     if spec is None:
         raise ValueError("transport_only needs a gift_jax.allreduce stage")
+    if scales_follow_the_packing(stage, full_tree, [p for v in variants for p in v]):
+        return [{p: _reduce_as_packed(spec, shards, _substituted(full_tree, v))[p] for p in v}
+                for v in variants]
     flat = jax.tree_util.tree_flatten_with_path(full_tree)[0]
     paths = [leaf_path(p) for p, _ in flat]
     codecs = dict(zip(paths, resolve_codecs(full_tree, spec.codec, spec.block_size,
@@ -382,6 +388,56 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
             i, p = k.split("/", 1)
             out[int(i)][p] = x
     return out
+
+
+def scales_follow_the_packing(stage: optax.GradientTransformation, tree: Any,
+                              paths: list[str]) -> bool:
+    """Whether the scales the all-reduce ``stage`` gives the leaves at ``paths`` depend on where
+    its bucket plan puts them, so that a reduction packing only these leaves would not
+    reproduce the step's values (:func:`transport_only` then reduces the whole tree).
+
+    A per-tensor scale (:attr:`~gift_jax.comm.codecs.Codec.has_leaf_scale`: per-tensor FP8
+    and INT8, NVFP4's fp32 tensor scale) is computed by the all-gather leg over each shard
+    owner's rows of the leaf (leaf ∩ shard), and the owners' row ranges follow the leaf's
+    offset in its bucket and the bucket's size, i.e. the other leaves of the tree. A scale
+    shared by every replica (``global_scale``, the FP8 ring) covers the whole leaf and does
+    not depend on it, unless the hierarchical reduction first splits the rows over the
+    ``intra`` axis. Per-block scales are per row and never depend on it.
+
+    Args:
+      stage: the :func:`allreduce` stage as built.
+      tree: the per-device tree it reduces.
+      paths: the leaf paths asked about.
+
+    Returns:
+      True where a reduction of ``paths`` alone could give other values than the step's.
+    """
+    spec = allreduce_spec(stage)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    codecs = dict(zip((leaf_path(p) for p, _ in flat),
+                      resolve_codecs(tree, spec.codec, spec.block_size, spec.policy),
+                      strict=True))
+    per_tensor = any(codecs[p].has_leaf_scale for p in paths)
+    return per_tensor and (not spec.global_scale or spec.intra_axis is not None)
+
+
+def _substituted(tree: Any, values: dict[str, Any]) -> Any:
+    """``tree`` with the leaves at the paths of ``values`` replaced by them."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: values.get(leaf_path(p), x), tree)
+
+
+def _reduce_as_packed(spec: AllReduceSpec, shards: LocalShards | None, tree: Any
+                      ) -> dict[str, Any]:
+    """``{leaf path: reduced leaf}`` of ``tree`` reduced exactly as a step packs it (the same
+    bucket plan, so the same shard owners and scales), without error feedback and rounding to
+    nearest. Inside the stage's ``shard_map``."""
+    reduce = lambda t: all_reduce_tree(t, spec)[0]  # no key: nearest; no residuals: no EF
+    if shards is not None:
+        specs = shards.specs(tree)
+        reduce = jax.shard_map(reduce, in_specs=(specs,), out_specs=specs,
+                               axis_names=set(shards.axes), check_vma=False)
+    flat = jax.tree_util.tree_flatten_with_path(reduce(tree))[0]
+    return {leaf_path(p): x for p, x in flat}
 
 
 def allreduce_axis(stage: optax.GradientTransformation) -> AxisName | None:

@@ -67,9 +67,8 @@ Euclidean and Adam-update ones, and FP8 ring accumulation changes the balance ag
 refresh, after the new factors are built, the selected leaves of this step are reduced three
 ways: by the inner all-reduce's transport as they are (``Ĝ_E``) and whitened (``Ĝ_W =
 W⁻¹·AR(W·G)``; :func:`gift_jax.comm.stage.transport_only`: the stage's codec, scaling,
-accumulation and shards, without error feedback; the whole tree as the step packs it,
-:func:`reduce_as_packed`, where a per-tensor scale depends on the packing,
-:func:`scales_follow_the_packing`), and exactly (fp32 ``pmean``, ``Ḡ``).  Per
+accumulation and shards, without error feedback; the whole tree as the step packs it where a
+per-tensor scale depends on the packing), and exactly (fp32 ``pmean``, ``Ḡ``).  Per
 matrix ``[‖φ(Ĝ_E) − φ(Ḡ)‖², ‖φ(Ĝ_W) − φ(Ḡ)‖², ‖φ(Ḡ)‖²]`` (φ: :func:`frame_map`) decides:
 the matrix is sent whitened iff its whitened error is strictly smaller
 (``GiftLeafState.use_whitening``; every input is a reduced value, so identical on every
@@ -108,10 +107,8 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax import whitening as wh
-from gift_jax.comm.collectives import all_reduce_tree, resolve_codecs
 from gift_jax.comm.stage import (
     allreduce_axis,
-    allreduce_shards,
     allreduce_spec,
     reframe_error_feedback,
     transport_only,
@@ -953,64 +950,6 @@ def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str,
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def scales_follow_the_packing(stage: optax.GradientTransformation, tree: Any,
-                              paths: Sequence[str]) -> bool:
-    """Whether the scales the all-reduce ``stage`` gives the leaves at ``paths`` depend on where
-    its bucket plan puts them, so that a trial reduction packing only these leaves
-    (:func:`~gift_jax.comm.stage.transport_only`) would not reproduce the step's values.
-
-    A per-tensor scale (:attr:`~gift_jax.comm.codecs.Codec.has_leaf_scale`: per-tensor FP8
-    and INT8, NVFP4's fp32 tensor scale) is computed by the all-gather leg over each shard
-    owner's rows of the leaf (leaf ∩ shard), and the owners' row ranges follow the leaf's
-    offset in its bucket and the bucket's size, i.e. the other leaves of the tree. A scale
-    shared by every replica (``global_scale``, the FP8 ring) covers the whole leaf and does
-    not depend on it, unless the hierarchical reduction first splits the rows over the
-    ``intra`` axis. Per-block scales are per row and never depend on it.
-
-    Args:
-      stage: the :func:`~gift_jax.allreduce` stage as built.
-      tree: the per-device tree it reduces.
-      paths: the leaf paths asked about.
-
-    Returns:
-      True where a reduction of ``paths`` alone could give other values than the step's.
-    """
-    spec = allreduce_spec(stage)
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    codecs = dict(zip((leaf_path(p) for p, _ in flat),
-                      resolve_codecs(tree, spec.codec, spec.block_size, spec.policy),
-                      strict=True))
-    per_tensor = any(codecs[p].has_leaf_scale for p in paths)
-    return per_tensor and (not spec.global_scale or spec.intra_axis is not None)
-
-
-def reduce_as_packed(stage: optax.GradientTransformation, tree: Any) -> Any:
-    """``tree`` reduced by the all-reduce ``stage``'s transport exactly as its step packs it
-    (the same bucket plan, so the same shard owners and scales), without error feedback and
-    rounding to nearest: the values a step of ``stage`` gives ``tree`` when its buffers are
-    zero and it rounds to nearest. Inside the stage's ``shard_map``.
-
-    Args:
-      stage: the :func:`~gift_jax.allreduce` stage as built.
-      tree: the per-device tree it reduces.
-
-    Returns:
-      The reduced tree (summed or averaged as the stage's ``mean`` says), in its dtypes.
-    """
-    spec, shards = allreduce_spec(stage), allreduce_shards(stage)
-    reduce = lambda t: all_reduce_tree(t, spec)[0]  # no key: nearest; no residuals: no EF
-    if shards is None:
-        return reduce(tree)
-    specs = shards.specs(tree)
-    return jax.shard_map(reduce, in_specs=(specs,), out_specs=specs,
-                         axis_names=set(shards.axes), check_vma=False)(tree)
-
-
-def _selected(tree: Any, sel: Mapping[str, MatrixView]) -> dict[str, Any]:
-    return {leaf_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if leaf_path(p) in sel}
-
-
 def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftState
           ) -> GiftState:
     """New ``use_whitening``/``route_error`` from this step's gradients and the (new)
@@ -1018,10 +957,9 @@ def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftS
     by the inner stage's transport (:func:`~gift_jax.comm.stage.transport_only`: its codec,
     scaling, accumulation and shards; no error feedback) and once exactly (fp32 ``pmean``),
     and each matrix is whitened where its whitened error in the frame is strictly smaller.
-    Where the packing sets a selected leaf's scales (:func:`scales_follow_the_packing`) the
-    two trials reduce the whole tree as the step packs it (:func:`reduce_as_packed`), so the
-    recorded errors are those the step produces. Every input of the decision is a reduced
-    value: identical on every replica.
+    Where the packing sets a selected leaf's scales the transport reduces the whole tree as
+    the step packs it, so the recorded errors are those the step produces. Every input of
+    the decision is a reduced value: identical on every replica.
 
     Args:
       s: the stage's settings (``route_frame`` on).
@@ -1037,12 +975,7 @@ def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftS
     white = {path: lay.from_matrix(jax.vmap(wh.whiten)(
         state.whitened[path].factor, lay.to_matrix(g[path])), shape=g[path].shape).astype(
             g[path].dtype) for path, lay in sel.items()}
-    if scales_follow_the_packing(s.reduce_stage, updates, list(sel)):
-        euclid = _selected(reduce_as_packed(s.reduce_stage, updates), sel)
-        whitened = _selected(reduce_as_packed(s.reduce_stage, jax.tree_util.tree_map_with_path(
-            lambda p, x: white.get(leaf_path(p), x), updates)), sel)
-    else:
-        euclid, whitened = transport_only(s.reduce_stage, updates, g, white)
+    euclid, whitened = transport_only(s.reduce_stage, updates, g, white)
     use, err = {}, {}
     frame, eps = s.route_frame, s.route_adam_eps
     for path, lay in sel.items():
