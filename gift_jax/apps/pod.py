@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax
 from gift_jax.apps import pod_estimate
-from gift_jax.comm.wire import array_bytes
+from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes
 from gift_jax.models import count_params
 from gift_jax.training.config import (
     ConfigError,
@@ -70,7 +70,7 @@ from gift_jax.training.mesh import (
 from gift_jax.training.method import build_optimizer
 from gift_jax.training.program import Program
 from gift_jax.training.sharding import shardings, state_specs
-from gift_jax.training.step import loss_for, model_def_of
+from gift_jax.training.step import _local_loss_and_grads, loss_for, model_def_of
 
 #: The communication modes compiled by default: ``label → (comm.codec, comm.method)``, from
 #: :data:`gift_jax.training.config.COMM_MODES` with fp8_e4m3 as the low-precision codec.
@@ -123,7 +123,6 @@ class Overlap:
 
 _OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*.+?\s+(?P<op>[\w\-]+)\(")
 _COMPUTE = ("fusion", "convolution", "dot", "custom-call")
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather", "collective-permute")
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -178,7 +177,7 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
         ops = []
         for i, line in enumerate(body):
             m = _OP.match(line)
-            if m is None or m.group("op").removesuffix("-start") not in _COLLECTIVES:
+            if m is None or m.group("op").removesuffix("-start") not in COLLECTIVE_KINDS:
                 continue
             report = gift_jax.parse_hlo(line, mesh=mesh)
             if report.ops and set(report.ops[0].axes) & set(axes):
@@ -388,8 +387,6 @@ def xla_step(program: Program) -> jax.stages.Lowered:
     loss_fn = loss_for(model_def, mesh)
 
     def step(params, opt_state, tokens):
-        from gift_jax.training.step import _local_loss_and_grads
-
         loss, grads, _ = _local_loss_and_grads(model_def, tokens, params, accum, (), False,
                                                sharded, loss_fn)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params)
@@ -459,14 +456,15 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
                     else program.step.compiled(variant))
         seconds = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        report = (gift_jax.parse_hlo(compiled.as_text(), mesh=mesh) if xla
+        text = compiled.as_text()  # read once: tens of MB for a 7B step
+        report = (gift_jax.parse_hlo(text, mesh=mesh) if xla
                   else program.step.wire_report(variant))
         estimate = None
         if tpu and topology is not None:
             estimate = pod_estimate.estimate(compiled, mesh, topology.generation,
-                                             multislice=topology.slices > 1)
+                                             multislice=topology.slices > 1, hlo_text=text)
         inside = report.within(model_axes(mesh)).total
-        dcn = dcn_bytes(compiled.as_text()) if topology is not None else 0.0
+        dcn = dcn_bytes(text) if topology is not None else 0.0
         out.append(PodCompile(
             mode=mode, mesh=(data, fsdp, tensor), intra=intra, refresh=variant, params=n_params,
             argument_bytes=int(memory.argument_size_in_bytes),
@@ -479,7 +477,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             topology=topology.label if topology is not None else "",
             hbm_bytes=topology.hbm_bytes if topology is not None else 0,
             dcn_bytes=dcn, ici_bytes=report.total if dcn else 0.0,
-            overlap=schedule_overlap(compiled.as_text(), mesh, data_axes(mesh)) if tpu else None,
+            overlap=schedule_overlap(text, mesh, data_axes(mesh)) if tpu else None,
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
             flags="maxtext" if compiler_options else "-"))
     return out

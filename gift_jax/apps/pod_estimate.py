@@ -43,7 +43,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gift_jax.comm.wire import array_bytes, parse_hlo
+from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, parse_hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +111,6 @@ _CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computat
                     r"\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _BODY = re.compile(r"\bbody=(%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather",
-                "collective-permute")
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
          "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done"}
 
@@ -194,11 +192,10 @@ def _flops(ins: Instr, types: Mapping[str, str]) -> float:
 
 @dataclasses.dataclass
 class _Costs:
-    """Roofline seconds of compute ops, before scaling to ``optimal_seconds``."""
+    """Roofline seconds of compute ops of a module's computations on a chip."""
 
     comps: dict[str, list[Instr]]
     chip: Chip
-    memo: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def flops_of(self, comp: str, depth: int = 0) -> float:
         types = {i.name: i.type for i in self.comps.get(comp, ())}
@@ -303,12 +300,12 @@ def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]]) -> int:
 
 def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:
     """The collective an instruction issues: itself, or the one inside an async wrapper."""
-    if ins.op.removesuffix("-start") in _COLLECTIVES:
+    if ins.op.removesuffix("-start") in COLLECTIVE_KINDS:
         return ins
     if ins.op == "async-start":
         for c in ins.called():
             for inner in comps.get(c, ()):
-                if inner.op in _COLLECTIVES:
+                if inner.op in COLLECTIVE_KINDS:
                     return inner
     return None
 
@@ -332,11 +329,12 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
     costs = _Costs(comps, chip_)
     found: list[Collective] = []
 
-    compute = [0.0]  # roofline seconds of the replay's compute, loops times their trips
+    compute = 0.0  # roofline seconds of the replay's compute, loops times their trips
 
     def run(comp: str, executions: int) -> float:
         """Replays ``comp`` once (``executions`` times per step); returns its duration,
         compute plus stalls, loops times their trip counts, recording the collectives."""
+        nonlocal compute
         clock, free = 0.0, {"ICI": 0.0, "DCN": 0.0}
         pending: dict[str, tuple[float, int]] = {}  # start name -> (finish, index)
         types = {i.name: i.type for i in comps.get(comp, ())}
@@ -381,14 +379,15 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
             elif ins.op not in _FREE and not ins.op.endswith("-done"):
                 seconds = costs.seconds(ins, types)
                 clock += seconds
-                compute[0] += seconds * executions
+                compute += seconds * executions
         return clock
 
     step = run(entry, 1)
-    return Replay(compute[0], step, tuple(found), optimal_seconds)
+    return Replay(compute, step, tuple(found), optimal_seconds)
 
 
-def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False) -> Replay:
+def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False,
+             hlo_text: str | None = None) -> Replay:
     """The :class:`Replay` of a compiled TPU step.
 
     Args:
@@ -397,6 +396,8 @@ def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False) 
       mesh: the mesh it was compiled for.
       generation: the chips' generation (a key of :data:`CHIPS`).
       multislice: the job spans slices (the DCN bandwidth is needed).
+      hlo_text: ``compiled.as_text()`` where the caller has it already (a 7B step's text is
+        tens of MB), or ``None``.
 
     Returns:
       The replayed schedule.
@@ -411,4 +412,5 @@ def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False) 
     if not analysis or "optimal_seconds" not in analysis:
         raise ValueError("the compiled step's cost analysis has no optimal_seconds (only the "
                          "TPU compiler reports it)")
-    return replay(compiled.as_text(), float(analysis["optimal_seconds"]), found, mesh)
+    text = compiled.as_text() if hlo_text is None else hlo_text
+    return replay(text, float(analysis["optimal_seconds"]), found, mesh)

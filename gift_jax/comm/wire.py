@@ -25,7 +25,9 @@ import re
 
 import numpy as np
 
-_KINDS = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather", "collective-permute")
+#: The HLO collectives, by opcode (an async pair adds ``-start``/``-done``).
+COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-to-all", "all-gather",
+                    "collective-permute")
 _LINE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+"
     r"(?P<op>all-reduce|reduce-scatter|all-to-all|all-gather|collective-permute)"
