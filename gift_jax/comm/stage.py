@@ -38,6 +38,7 @@ from gift_jax.comm.collectives import (
     reframe_residuals,
     resolve_codecs,
 )
+from gift_jax.comm.layer_groups import LayerGroups, all_reduce_groups, init_group_residuals
 from gift_jax.utils.axes import require_per_device
 from gift_jax.utils.tree_paths import leaf_path
 
@@ -58,14 +59,18 @@ class AllReduceTransformation(optax.GradientTransformation):
     Attributes:
       spec: the :class:`~gift_jax.comm.collectives.AllReduceSpec` (axes, codec, bucket plan).
       shards: the :class:`LocalShards` it reduces on, or ``None`` (whole leaves).
+      groups: the :class:`~gift_jax.comm.layer_groups.LayerGroups` it reduces by, or
+        ``None`` (one bucket plan over the whole tree).
     """
 
     spec: AllReduceSpec
     shards: LocalShards | None
+    groups: LayerGroups | None
 
-    def __new__(cls, init, update, spec: AllReduceSpec, shards: LocalShards | None = None):
+    def __new__(cls, init, update, spec: AllReduceSpec, shards: LocalShards | None = None,
+                groups: LayerGroups | None = None):
         self = super().__new__(cls, init, update)
-        self.spec, self.shards = spec, shards
+        self.spec, self.shards, self.groups = spec, shards, groups
         return self
 
 
@@ -130,6 +135,7 @@ def allreduce(
     intra_codec: str | Codec = "fp32",
     shards: LocalShards | None = None,
     stack_axes: Any = None,
+    groups: LayerGroups | None = None,
 ) -> AllReduceTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -164,6 +170,11 @@ def allreduce(
       stack_axes: a callable ``(path, leaf) → k``: the leaf's leading ``k`` axes stack
         separate tensors (the layers of a scanned model), and each tensor gets its own scales,
         as it would unstacked (``None``: one set of scales per leaf).
+      groups: reduce group by group in the order the backward pass completes them
+        (:class:`~gift_jax.comm.layer_groups.LayerGroups`, groups of about ``bucket_elems``
+        elements in reverse layer order), each group on a bucket plan of its own: the
+        grouping :mod:`gift_jax.comm.overlap` reduces inside the backward pass, bit for bit.
+        ``None``: one bucket plan over the whole tree.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -183,26 +194,33 @@ def allreduce(
     if not isinstance(seed, int):
         raise TypeError(f"seed={seed!r} must be an int")
 
+    def init_res(tree):
+        if groups is None:
+            return init_residuals(tree, spec)
+        return init_group_residuals(tree, spec, groups)
+
     def init_fn(params):
         resolve_codecs(params, codec, block_size, policy)  # float leaves, policy structure
         key = jax.random.PRNGKey(seed) if stochastic_rounding else None
         residuals = None
         if error_feedback and axis_name is not None:
             if shards is None:
-                residuals = init_residuals(params, spec)
+                residuals = init_res(params)
             else:
                 specs = shards.specs(params)
                 shapes = jax.eval_shape(lambda p: jax.shard_map(
-                    lambda q: init_residuals(q, spec), in_specs=(specs,), out_specs=PartitionSpec(),
+                    init_res, in_specs=(specs,), out_specs=PartitionSpec(),
                     axis_names=set(shards.axes), check_vma=False)(p), params)
                 residuals = jax.shard_map(
-                    lambda q: init_residuals(q, spec), in_specs=(specs,),
+                    init_res, in_specs=(specs,),
                     out_specs=shards.residual_specs(shapes, specs),
                     axis_names=set(shards.axes), check_vma=False)(params)
         return AllReduceState(key, residuals)
 
     def reduce(updates, key, residuals):
-        return all_reduce_tree(updates, spec, key=key, residuals=residuals)
+        if groups is None:
+            return all_reduce_tree(updates, spec, key=key, residuals=residuals)
+        return all_reduce_groups(updates, spec, groups, key, residuals)
 
     def update_fn(updates, state, params=None):
         del params
@@ -222,7 +240,7 @@ def allreduce(
                 check_vma=False)(updates, sub, state.residuals)
         return reduced, AllReduceState(key, residuals)
 
-    return AllReduceTransformation(init_fn, update_fn, spec, shards)
+    return AllReduceTransformation(init_fn, update_fn, spec, shards, groups)
 
 
 def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
@@ -280,9 +298,11 @@ def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree
       ``state`` with its residuals in the new frame.
     """
     spec = allreduce_spec(stage)
-    if spec is not None and (spec.intra_axis is not None or allreduce_shards(stage)):
+    if spec is not None and (spec.intra_axis is not None or allreduce_shards(stage)
+                             or stage.groups is not None):
         # hierarchical: no error feedback (see allreduce); sharded leaves: the bucket plan is
-        # of each device's local shards, which `tree` does not show; every shard row is zeroed
+        # of each device's local shards, which `tree` does not show; grouped: one plan per
+        # group, not the tree's; every shard row is zeroed
         spec = None
 
     def fix(node):

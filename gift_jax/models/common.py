@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gift_jax.utils.block_hook import active_block_hook
 from gift_jax.utils.platform import non_manual_axes, target_device
 
 __all__ = [
@@ -417,6 +418,9 @@ def apply_blocks(layers: nnx.Module | nnx.List, x: jax.Array, cfg: Any,
 
     Returns:
       The residual stream after the last block, ``x``'s shape.
+
+    A scanned stack honours an active :func:`gift_jax.utils.block_hook.block_hook`: each
+    layer's block state goes through the hook (with that layer's inputs) before the block runs.
     """
     forward = _forward_fn(cfg)
     if not cfg.scan_layers:
@@ -424,11 +428,20 @@ def apply_blocks(layers: nnx.Module | nnx.List, x: jax.Array, cfg: Any,
             x = forward(block, x, *args)
         return x
 
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def body(block: nnx.Module, h: jax.Array) -> jax.Array:
-        return forward(block, h, *args)
+    hook = active_block_hook()
+    if hook is None:
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block: nnx.Module, h: jax.Array) -> jax.Array:
+            return forward(block, h, *args)
 
-    return body(layers, x)
+        return body(layers, x)
+
+    @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
+    def hooked(block: nnx.Module, h: jax.Array, layer_inputs: Any) -> jax.Array:
+        graphdef, state = nnx.split(block)
+        return forward(nnx.merge(graphdef, hook.fn(state, layer_inputs)), h, *args)
+
+    return hooked(layers, x, hook.per_layer)
 
 
 # ----------------------------------------------------------------------------- loss

@@ -600,6 +600,30 @@ def resolve_data_pipeline(config: ml_collections.ConfigDict) -> str | None:
     return f"data.pipeline=auto -> {pipeline!r}: {why}"
 
 
+#: ``comm.reduce_in`` values: when the gradient is reduced (:mod:`gift_jax.comm.overlap`).
+REDUCE_IN = ("after", "backward")
+
+
+def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
+    """``comm.reduce_in`` and ``comm.bucket_elems``: a known value, a positive bucket size, and
+    the in-backward reduction only where it is built (the all-reduce stage alone, whole leaves
+    per replica)."""
+    _choice(config, "comm.reduce_in", REDUCE_IN)
+    _positive_int(config, "comm.bucket_elems")
+    if config.comm.reduce_in != "backward":
+        return
+    if config.comm.method != "none":
+        raise ConfigError(
+            f"comm.reduce_in='backward' is built for comm.method='none' (any comm.codec); "
+            f"comm.method={config.comm.method!r} reduces after the backward: set "
+            "comm.reduce_in='after'")
+    if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
+        raise ConfigError(
+            "comm.reduce_in='backward' needs whole parameters per replica (mesh.fsdp=1 and "
+            f"mesh.tensor=1, got {config.mesh.fsdp} and {config.mesh.tensor}); set "
+            "comm.reduce_in='after' on a sharded mesh")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices, and
     resolves ``data.pipeline='auto'`` in place (:func:`resolve_data_pipeline`: the one
@@ -652,6 +676,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         if not isinstance(config.gift.two_sided, bool):
             raise ConfigError(
                 f"gift.two_sided={config.gift.two_sided!r} must be a bool (true/false)")
+    _validate_reduce_in(config)
     if not isinstance(config.comm.distribute_refresh, bool):
         raise ConfigError(
             f"comm.distribute_refresh={config.comm.distribute_refresh!r} must be a bool "

@@ -111,6 +111,10 @@ def default_config() -> ml_collections.ConfigDict:
     comm.fp8_accumulation = False  # emulate the artifact's FP8 NCCL accumulation (global pmax)
     comm.intra_codec = "fp32"  # codec inside the intra-node axis when mesh.intra_size > 1
     comm.distribute_refresh = True  # spread GIFT/PLUMAGE refresh decompositions over replicas
+    # when the gradient is reduced: "after" the backward pass (one bucket plan over the tree) |
+    # "backward": group by group inside it, in reverse layer order (comm.method='none')
+    comm.reduce_in = "after"
+    comm.bucket_elems = 1 << 24  # bucket size in elements (64 MiB of fp32), as Megatron's
 
     # ------------------------------------------------------------------ GIFT whitening
     gift = config.gift = ml_collections.ConfigDict()

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import optax
 
+from gift_jax.comm.overlap import reducible_in_backward
 from gift_jax.comm.stage import reset_error_feedback
 from gift_jax.lowrank import find_plumage_state, plumage
 from gift_jax.lowrank import refresh_due as plumage_refresh_due
@@ -215,6 +216,8 @@ class CommPlan:
         opt = recipe.optimizer
         rule = optim.dense_optimizer(opt, schedule, recipe.comm.stacked_layers) if (
             self.update_rule is None) else self.update_rule(schedule)
+        if recipe.comm.reduce_in == "backward":  # the trainer may hand in the reduced state
+            stage = reducible_in_backward(stage)
         return optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(opt), rule)
 
 
@@ -460,12 +463,16 @@ class Optimizer:
         ``comm.method``: refresh schedule, captured statistics, extra update arguments.
       stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
         all-reduce, applied to full gradients).
+      in_backward: the trainer reduces inside the backward pass
+        (:func:`gift_jax.comm.overlap.loss_and_reduced_grads` with ``stage``, its state handed
+        to ``tx.update`` as ``reduced_in_backward``).
     """
 
     tx: optax.GradientTransformationExtraArgs
     schedule: optax.Schedule
     plan: CommPlan
     stage: optax.GradientTransformation
+    in_backward: bool = False
 
     @property
     def refresh_every(self) -> int | None:
@@ -497,4 +504,5 @@ def build_optimizer(recipe: Any, axes: tuple[str, ...],
         plan = dataclasses.replace(plan, shards=shards)
     schedule = recipe.optimizer.learning_rate_schedule()
     chain, stage = plan.build(recipe, axes, schedule)
-    return Optimizer(skip_nonfinite(chain), schedule, plan, stage)
+    return Optimizer(skip_nonfinite(chain), schedule, plan, stage,
+                     in_backward=recipe.comm.reduce_in == "backward")

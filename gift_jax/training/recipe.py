@@ -28,6 +28,7 @@ import ml_collections
 import optax
 
 from gift_jax.comm.codecs import Codec, get_codec
+from gift_jax.comm.layer_groups import LayerGroups
 from gift_jax.comm.stage import allreduce
 from gift_jax.models import ModelSpec, model_config_of, model_spec
 from gift_jax.training.config import (
@@ -107,6 +108,10 @@ class CommOptions:
       distribute_refresh: spread GIFT/PLUMAGE refresh decompositions over the replicas.
       seed: the run's seed (stochastic-rounding keys).
       stacked_layers: the model scans its blocks (one matrix per layer in stacked kernels).
+      reduce_in: ``"after"`` the backward pass or inside it, ``"backward"``
+        (:mod:`gift_jax.comm.overlap`; the stage then reduces by
+        :class:`~gift_jax.comm.layer_groups.LayerGroups`).
+      bucket_elems: the bucket size in elements.
     """
 
     codec: Codec
@@ -118,6 +123,8 @@ class CommOptions:
     distribute_refresh: bool
     seed: int
     stacked_layers: bool
+    reduce_in: str
+    bucket_elems: int
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
@@ -141,7 +148,8 @@ class CommOptions:
                    fp8_accumulation=bool(comm["fp8_accumulation"]),
                    intra_codec=comm["intra_codec"],
                    distribute_refresh=bool(comm["distribute_refresh"]), seed=seed,
-                   stacked_layers=stacked_layers)
+                   stacked_layers=stacked_layers, reduce_in=comm["reduce_in"],
+                   bucket_elems=int(comm["bucket_elems"]))
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:
@@ -170,6 +178,8 @@ class CommOptions:
             intra_codec=self.intra_codec,
             shards=shards,
             stack_axes=stacked_kernels if self.stacked_layers else None,
+            bucket_elems=self.bucket_elems,
+            groups=LayerGroups(self.stacked_layers) if self.reduce_in == "backward" else None,
         )
 
 

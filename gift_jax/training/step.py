@@ -39,6 +39,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gift_jax.comm.overlap import loss_and_reduced_grads, warn_if_one_bucket
+from gift_jax.comm.stage import AllReduceState
 from gift_jax.comm.wire import WireReport, parse_hlo
 from gift_jax.models import model_spec
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
@@ -226,19 +228,49 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
 
     if accum_steps == 1:
         return one(params, tokens)
+    total = _summed(one, params, _microbatches(tokens, accum_steps, strided))
+    return jax.tree.map(lambda x: x / accum_steps, total)
+
+
+def _microbatches(tokens: jax.Array, accum_steps: int, strided: bool) -> jax.Array:
+    """``tokens`` as ``[accum_steps, rows / accum_steps, seq + 1]`` (strided: microbatch ``i``
+    takes rows ``i, i + accum_steps, …``)."""
     if strided:
         micro = tokens.reshape(tokens.shape[0] // accum_steps, accum_steps, tokens.shape[1])
-        micro = micro.transpose(1, 0, 2)
-    else:
-        micro = tokens.reshape(accum_steps, tokens.shape[0] // accum_steps, tokens.shape[1])
+        return micro.transpose(1, 0, 2)
+    return tokens.reshape(accum_steps, tokens.shape[0] // accum_steps, tokens.shape[1])
+
+
+def _summed(one: Callable, params: Params, micro: jax.Array) -> Any:
+    """The sum over microbatches of ``one(params, microbatch)`` (a ``lax.scan`` from zeros)."""
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(one, params, micro[0]))
 
     def body(acc, toks):
         return jax.tree.map(jnp.add, acc, one(params, toks)), None
 
-    total, _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda x: x / accum_steps, total)
+    return jax.lax.scan(body, zeros, micro)[0]
+
+
+def _loss_and_reduced_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
+                            accum_steps: int, loss_fn: Callable, stage: Any, stage_state: Any):
+    """(mean loss, reduced mean gradient, the stage's new state): the gradient reduced inside
+    the backward pass of the last microbatch (:func:`gift_jax.comm.overlap.
+    loss_and_reduced_grads`), the earlier ones summed first as :func:`_local_loss_and_grads`
+    sums them, so the values are those of its mean reduced by ``stage`` after the backward."""
+
+    def reduced(toks, acc):
+        return loss_and_reduced_grads(lambda q: loss_fn(model_def.merge(q), toks), params,
+                                      stage, stage_state, acc=acc, accum_steps=accum_steps)
+
+    if accum_steps == 1:
+        return reduced(tokens, None)
+    micro = _microbatches(tokens, accum_steps, False)
+    earlier_loss, earlier_grads = _summed(
+        lambda p, toks: jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p),
+        params, micro[:-1])
+    loss, grads, state = reduced(micro[-1], earlier_grads)
+    return (earlier_loss + loss) / accum_steps, grads, state
 
 
 def _model_specs(layout: ParamLayout | None, mesh: Mesh, tree: Any) -> Any:
@@ -282,12 +314,17 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         params = _constrain(params, specs)
         if sharded:
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
-        loss, grads, stats = _local_loss_and_grads(model_def, tokens, params, accum_steps,
-                                                   capture, plan.gift_two_sided, sharded,
-                                                   loss_for(model_def, mesh),
-                                                   plan.coverage_bases(refresh, opt_state))
-        grads = _constrain(grads, specs)
-        kwargs = plan.update_kwargs(refresh, stats)
+        if optimizer.in_backward:  # reduced group by group inside the backward pass
+            loss, grads, reduced = _loss_and_reduced_grads(
+                model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
+                optimizer.stage, optax.tree.get(opt_state, AllReduceState.__name__))
+            kwargs = {"reduced_in_backward": reduced}
+        else:
+            loss, grads, stats = _local_loss_and_grads(
+                model_def, tokens, params, accum_steps, capture, plan.gift_two_sided, sharded,
+                loss_for(model_def, mesh), plan.coverage_bases(refresh, opt_state))
+            grads = _constrain(grads, specs)
+            kwargs = plan.update_kwargs(refresh, stats)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)
         params = optax.apply_updates(params, updates)
         assert isinstance(opt_state, SkipState)
@@ -411,6 +448,8 @@ class TrainStep:
             jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding),
         )
+        if optimizer.in_backward:
+            warn_if_one_bucket(params, optimizer.stage.spec.bucket_elems)
         self._compiled: dict[bool, jax.stages.Compiled] = {}
         self._wire: dict[bool, WireReport] = {}
         self.compile_count = 0

@@ -1,0 +1,63 @@
+"""A hook on every block of a model's block stack, set from outside the model.
+
+The models apply their blocks through :func:`gift_jax.models.common.apply_blocks`. While a
+:func:`block_hook` is active, that function hands each block's state to the hook before the
+block runs — inside the ``nnx.scan`` body when the blocks are scanned, so the hook sees one
+layer's slice of the stacked parameters together with that layer's slice of
+``per_layer`` (any pytree of arrays stacked over the layers). This is how
+:mod:`gift_jax.comm.overlap` reduces a scanned layer's gradient inside the backward loop
+(a ``jax.custom_vjp`` on the layer's parameters) without the model knowing about it.
+
+Only scanned block stacks consult the hook: an unrolled stack's parameters are separate
+leaves, which the caller can hook before the model is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockHook:
+    """``fn(block_state, layer_inputs) → block_state`` and its inputs stacked over layers.
+
+    Attributes:
+      fn: maps one block's ``nnx.State`` (its arrays; one layer's slice when scanned) and that
+        layer's slice of ``per_layer`` to the state the block runs with (same structure,
+        shapes and dtypes).
+      per_layer: a pytree of arrays whose leading axis is the layer axis.
+    """
+
+    fn: Callable[[Any, Any], Any]
+    per_layer: Any
+
+
+_ACTIVE: contextvars.ContextVar[BlockHook | None] = contextvars.ContextVar(
+    "gift_jax_block_hook", default=None)
+
+
+@contextlib.contextmanager
+def block_hook(fn: Callable[[Any, Any], Any], per_layer: Any) -> Iterator[None]:
+    """Activate a :class:`BlockHook` for the scanned block stacks traced inside the block.
+
+    Args:
+      fn: ``(block_state, layer_inputs) → block_state``.
+      per_layer: the hook's inputs, stacked over the layers (leading axis).
+
+    Yields:
+      Nothing; the hook is active until the block exits.
+    """
+    token = _ACTIVE.set(BlockHook(fn, per_layer))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_block_hook() -> BlockHook | None:
+    """The :class:`BlockHook` of the innermost active :func:`block_hook`, or ``None``."""
+    return _ACTIVE.get()
