@@ -108,3 +108,19 @@ def test_float8_collectives_are_not_what_they_seem():
     # whatever XLA does here, the report says what really moves (f8, f16 or even f32)
     assert op.kind == "all-gather" and op.dtypes[0] in ("f8e4m3fn", "f16", "f32")
     assert op.buffer_bytes >= N * 1024  # at least a byte per element; f16 on jax 0.10
+
+
+def test_a_collective_inside_a_loop_counts_once_per_trip():
+    """A ``psum`` in a ``lax.scan`` of 5 moves its bytes 5 times a step (a scanned layer's
+    reduction inside the backward loop)."""
+    mesh = jax.make_mesh((8,), ("d",))
+
+    def f(x):
+        return jax.lax.scan(lambda c, xs: (c + jax.lax.psum(xs, "d"), None),
+                            jnp.zeros(32), x)[0]
+
+    step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
+    report = gj.parse_hlo(step.lower(jnp.ones((5, 32))).compile().as_text(), mesh=mesh)
+    (op,) = report.ops
+    assert op.executions == 5
+    assert report.total == 5 * 2 * 7 / 8 * 32 * 4

@@ -57,9 +57,10 @@ class CollectiveOp:
     dtypes: tuple[str, ...]  # element types of the arrays it moves
     group_size: int  # P
     buffer_bytes: int  # S (see the module docstring)
-    wire_bytes: float  # per device, bus-bytes model
+    wire_bytes: float  # per device and step, bus-bytes model, times ``executions``
     group: tuple[int, ...] = ()  # the device ids of one of its groups (() = unknown)
     axes: tuple[str, ...] = ()  # the mesh axes its groups span (with a mesh given to parse_hlo)
+    executions: int = 1  # per step: the trip counts of the loops around it (a scanned layer's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +222,13 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
 
         num_devices = jax.device_count()
     ops = []
+    runs = executions(hlo_text)
+    comp = None
     for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            comp = head.group("name")
+            continue
         m = _LINE.match(line)
         if not m:
             continue
@@ -247,8 +254,63 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
         if P <= 1:
             wire = 0.0
         axes = _axes_of(group, mesh) if mesh is not None else ()
-        ops.append(CollectiveOp(kind, dtypes, P, S, wire, group, axes))
+        n = runs.get(comp, 1)
+        ops.append(CollectiveOp(kind, dtypes, P, S, wire * n, group, axes, n))
     return WireReport(tuple(ops))
+
+
+_HEAD = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?P<how>calls|body|condition|to_apply|branch_computations|"
+                     r"called_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONSTANT = re.compile(r"constant\((\d+)\)")
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How often each computation of an HLO module runs per call of its entry: a while loop's
+    body its trip count times its caller's count (XLA's ``known_trip_count``, else the one
+    constant bound of its condition, a ``lax.scan``'s ``i < N``; 1 when neither is there),
+    any other called computation as often as its callers.
+
+    Args:
+      hlo_text: the text of an HLO module.
+
+    Returns:
+      ``{computation name: executions}`` (the entry: 1; computations never called: absent).
+    """
+    bodies: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            name = head.group("name")
+            bodies[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        elif name is not None:
+            bodies[name].append(line)
+    counts: dict[str, int] = {}
+
+    def visit(comp: str, n: int, depth: int = 0) -> None:
+        counts[comp] = counts.get(comp, 0) + n
+        if depth > 64:
+            return
+        for line in bodies.get(comp, ()):
+            calls = {m.group("how"): [c.strip().lstrip("%") for c in m.group("names").split(",")]
+                     for m in _CALLED.finditer(line)}
+            trips = 1
+            if "body" in calls:
+                known = _KNOWN_TRIPS.search(line)
+                cond = bodies.get(calls.get("condition", [""])[0], ())
+                bounds = [int(c.group(1)) for c in map(_CONSTANT.search, cond) if c]
+                trips = (int(known.group(1)) if known
+                         else bounds[0] if len(bounds) == 1 else 1)
+            for how, names in calls.items():
+                for callee in names:
+                    visit(callee, n * (trips if how == "body" else 1), depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    return counts
 
 
 def wire_bytes(fn_or_compiled, *args, **kwargs) -> WireReport:

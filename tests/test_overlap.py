@@ -1,0 +1,149 @@
+"""Reducing inside the backward pass (:mod:`gift_jax.comm.overlap`): the in-backward train step
+is bit for bit the step that reduces the same groups after the backward, scanned layers reduce
+inside the backward loop, the groups go in reverse layer order, and the settings refuse what is
+not built."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from trainer_kit import FAST, assert_trees_equal, small_config
+
+from gift_jax.comm.layer_groups import LayerGroups
+from gift_jax.comm.overlap import warn_if_one_bucket
+from gift_jax.training import ConfigError, complete_config, make_mesh
+from gift_jax.training.config import validate_config
+from gift_jax.training.program import Program
+from gift_jax.training.step import TrainStep
+from gift_jax.utils.tree_paths import leaf_path
+
+BUCKET = 3000  # elements: one 3-layer test model's layer (10k) is over it, so one group each
+
+
+def _programs(codec: str, scan: bool, accum: int, **extra):
+    """The in-backward program and its after-backward twin (same grouped stage)."""
+    config = complete_config(small_config("fp8", **{
+        "comm.codec": codec, "comm.reduce_in": "backward", "model.scan_layers": scan,
+        "model.num_layers": 3, "train.grad_accum_steps": accum, "comm.bucket_elems": BUCKET,
+        **extra}))
+    program = Program(config, make_mesh(), FAST)
+    step = program.step
+    after = TrainStep(program.model_def, dataclasses.replace(program.optimizer, in_backward=False),
+                      program.mesh, *step.abstract_args()[:2], global_batch=16, seq_len=16,
+                      accum_steps=accum, compiler_options=FAST, layout=step.layout)
+    return program, after
+
+
+def _two_steps(step, params, opt_state):
+    params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+    for i in range(2):
+        tokens = np.random.RandomState(i).randint(0, 256, (16, 17)).astype(np.int32)
+        params, opt_state, metrics = step(params, opt_state,
+                                          jax.device_put(tokens, step.batch_sharding))
+    return params, opt_state, metrics
+
+
+@pytest.mark.parametrize("codec,scan,accum,extra", [
+    ("fp8_e4m3", False, 1, {"comm.error_feedback": True, "comm.stochastic_rounding": True}),
+    ("fp8_e4m3", True, 2, {"comm.error_feedback": True, "comm.stochastic_rounding": True}),
+    ("nvfp4", True, 1, {"mesh.intra_size": 2}),
+    ("fp32", False, 2, {}),
+], ids=["fp8_sr_ef_unrolled", "fp8_sr_ef_scanned_accum", "nvfp4_hierarchical_scanned",
+        "fp32_unrolled_accum"])
+def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
+    program, after = _programs(codec, scan, accum, **extra)
+    params, opt_state = program.init()
+    inside = _two_steps(program.step, params, opt_state)
+    outside = _two_steps(after, params, opt_state)
+    assert_trees_equal(inside, outside)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, inside[0]))
+    assert all(moved)  # two real steps
+
+
+def _loop_bodies(hlo: str) -> list[str]:
+    """The text of every while loop's body computation."""
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+    out = []
+    for name in bodies:
+        m = re.search(rf"^%?{re.escape(name)} [^\n]*\{{\n(.*?)\n\}}", hlo, re.S | re.M)
+        if m:
+            out.append(m.group(1))
+    return out
+
+
+def test_scanned_layers_reduce_inside_the_backward_loop():
+    """In-backward: the u8 all-to-all of the layers' fp8 reduction sits in a loop body that also
+    runs the backward's matmuls; after the backward it sits in a loop of its own, without."""
+    program, after = _programs("fp8_e4m3", True, 1)
+
+    def where(step):
+        bodies = _loop_bodies(step.compiled(False).as_text())
+        reduce = [b for b in bodies if re.search(r"u8\[[^\]]*\][^\n]*all-to-all", b)]
+        assert reduce, "no u8 all-to-all in any loop"
+        return any(" dot(" in b or "convolution(" in b for b in reduce)
+
+    assert where(program.step)
+    assert not where(after)
+
+
+def _tree(layers: int, scanned: bool):
+    block = {"attn": jnp.zeros((8, 8)), "norm": jnp.zeros((8,))}
+    if scanned:
+        blocks = jax.tree.map(lambda x: jnp.zeros((layers, *x.shape)), block)
+    else:
+        blocks = {str(i): block for i in range(layers)}
+    return {"embed": jnp.zeros((16, 8)), "final_norm": jnp.zeros((8,)), "layers": blocks}
+
+
+def test_groups_go_in_reverse_layer_order_and_close_when_full():
+    tree = _tree(4, scanned=False)
+    paths = [leaf_path(p).split("/") for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    def names(plan):  # the layer indices or module names of each group
+        return [sorted({paths[i][1] if paths[i][0] == "layers" else paths[i][0] for i in g})
+                for g in plan.loose]
+
+    one_layer = LayerGroups().plan(tree, 72)  # a layer is 72 elements: one per group
+    assert names(one_layer) == [["3"], ["2"], ["1"], ["0"], ["embed"], ["final_norm"]]
+    two_layers = LayerGroups().plan(tree, 73)  # a group closes once it holds >= 73
+    assert names(two_layers)[:2] == [["2", "3"], ["0", "1"]]
+    whole = LayerGroups().plan(tree, 10_000)
+    assert whole.loose == (tuple(range(len(paths))),) and not whole.stacked
+    with pytest.raises(ValueError, match="bucket_elems=0"):
+        LayerGroups().plan(tree, 0)
+
+
+def test_scanned_layers_are_one_group_each():
+    plan = LayerGroups(stacked=True).plan(_tree(5, scanned=True), 64)
+    assert plan.num_layers == 5 and len(plan.stacked) == 2 and len(plan.loose) == 2
+    assert plan.num_groups == 7
+
+
+def test_bucket_over_the_model_warns_once(caplog):
+    tree = _tree(2, scanned=False)
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_one_bucket(tree, 1 << 24)
+        assert not warn_if_one_bucket(tree, 8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "comm.bucket_elems=16777216" in lines[0]
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"comm.bucket_elems": 0}, r"comm.bucket_elems=0 must be an int >= 1"),
+    ({"comm.reduce_in": "during"}, r"comm.reduce_in='during' is not supported; allowed: after, "
+                                   r"backward"),
+    ({"comm.method": "gift"}, r"comm.reduce_in='backward' is built for comm.method='none'"),
+    ({"mesh.fsdp": 2}, r"mesh.fsdp=1 and mesh.tensor=1, got 2 and 1"),
+])
+def test_settings_refuse_what_is_not_built(fields, match):
+    config = complete_config(small_config("fp8", **{"comm.reduce_in": "backward", **fields}))
+    with pytest.raises(ConfigError, match=match):
+        validate_config(config, 8)
