@@ -129,12 +129,29 @@ class LayerGroups:
 
 
 def group_key(key: jax.Array | None, g: int) -> jax.Array | None:
-    """The stochastic-rounding key of loose group ``g`` (``None`` without rounding)."""
+    """The stochastic-rounding key of loose group ``g``.
+
+    Args:
+      key: the step's key, or ``None`` (no stochastic rounding).
+      g: the group's index in :attr:`GroupPlan.loose`.
+
+    Returns:
+      ``fold_in(key, g)``, or ``None``.
+    """
     return None if key is None else jax.random.fold_in(key, g)
 
 
 def layer_keys(key: jax.Array | None, plan: GroupPlan) -> jax.Array | None:
-    """The keys of the stacked group's layers, stacked ``(layers, 2)`` (``None`` without)."""
+    """The keys of the stacked group's layers.
+
+    Args:
+      key: the step's key, or ``None`` (no stochastic rounding).
+      plan: the tree's :class:`GroupPlan`.
+
+    Returns:
+      ``fold_in(fold_in(key, len(plan.loose)), l)`` for every layer ``l``, stacked
+      ``(layers, 2)``; ``None`` without a key or a stacked group.
+    """
     if key is None or not plan.stacked:
         return None
     base = jax.random.fold_in(key, len(plan.loose))
