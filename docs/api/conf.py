@@ -7,7 +7,7 @@ Build it (from the repository root; the output folder build/ is ignored by git):
 
 The narrative pages hold no text of their own: a line ``% readme-section: ## HEADING`` in a page
 is replaced, when Sphinx reads the page, by that ``## HEADING`` section of README.md (links to
-the repository's ``docs/*.md`` pages rewritten), so the README stays the one source of its
+the repository's ``docs/*.md`` pages rewritten, other repository files named as code), so the README stays the one source of its
 examples. The reference pages are autodoc over the Google-style docstrings (napoleon).
 """
 
@@ -86,9 +86,9 @@ def readme_section(heading: str) -> str:
         label, target = m.group(1), m.group(2)
         if target in SITE_PAGES:
             return f"[{label}]({SITE_PAGES[target]})"
-        return f"`{target}`" if label == target else f"{label} (`{target}`)"
+        return f"`{target}`" if label.strip("`") == target else f"{label} (`{target}`)"
 
-    return re.sub(r"\[([^\]]+)\]\((docs/[^)#\s]+)\)", link, body)
+    return re.sub(r"\[([^\]]+)\]\(((?:docs|examples|scripts)/[^)#\s]+)\)", link, body)
 
 
 def _insert_readme_sections(app, docname, source):
