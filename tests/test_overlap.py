@@ -56,8 +56,10 @@ def _two_steps(step, params, opt_state):
     ("fp8_e4m3", True, 2, {"comm.error_feedback": True, "comm.stochastic_rounding": True}),
     ("nvfp4", True, 1, {"mesh.intra_size": 2}),
     ("fp32", False, 2, {}),
+    ("int8", True, 1, {"comm.exchange": "permute", "comm.scaling": "block",
+                       "comm.block_size": 32}),
 ], ids=["fp8_sr_ef_unrolled", "fp8_sr_ef_scanned_accum", "nvfp4_hierarchical_scanned",
-        "fp32_unrolled_accum"])
+        "fp32_unrolled_accum", "int8_block_permute_scanned"])
 def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
     program, after = _programs(codec, scan, accum, **extra)
     params, opt_state = program.init()

@@ -124,3 +124,13 @@ def test_a_collective_inside_a_loop_counts_once_per_trip():
     (op,) = report.ops
     assert op.executions == 5
     assert report.total == 5 * 2 * 7 / 8 * 32 * 4
+
+
+def test_an_async_permute_counts_its_operand_once():
+    """The TPU compiler's ``collective-permute-start`` returns ``(operand, result, u32[],
+    u32[])``: the bytes on the wire are the operand's, once."""
+    line = ("  %collective-permute-start = (u8[1024,128]{1,0}, u8[1024,128]{1,0}, u32[]{:S(2)}, "
+            "u32[]{:S(2)}) collective-permute-start(%param.1), channel_id=1, "
+            "source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}")
+    (op,) = gj.parse_hlo(line, num_devices=8).ops
+    assert op.kind == "collective-permute" and op.wire_bytes == 1024 * 128

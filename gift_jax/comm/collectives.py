@@ -54,6 +54,8 @@ from gift_jax.utils.axes import (
 )
 
 ACCUMULATE = ("fp32", "fp8")
+#: How a quantized reduction exchanges its bytes across the data axis (:class:`AllReduceSpec`).
+EXCHANGES = ("auto", "all_to_all", "permute")
 
 
 def _to_bytes(a: jax.Array) -> jax.Array:
@@ -449,6 +451,7 @@ class AllReduceSpec:
     intra_axis: AxisName | None = None
     intra_codec: str | Codec = "fp32"
     stack_axes: Any = None  # callable (path, leaf) → leading axes that stack tensors, or None
+    exchange: str = "auto"  # one of EXCHANGES (see collective())
 
     def __post_init__(self):
         get_codec(self.intra_codec)
@@ -457,6 +460,9 @@ class AllReduceSpec:
                    self.accumulate, self.backend)
         if self.bucket_elems <= 0:
             raise ValueError(f"bucket_elems={self.bucket_elems} must be a positive int")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} is not supported; allowed: "
+                             f"{', '.join(EXCHANGES)}")
         if self.intra_axis is not None and self.axis_name is None:
             raise ValueError("intra_axis needs an axis_name to reduce across as well")
 
@@ -474,7 +480,29 @@ class AllReduceSpec:
         """
         return Collective(axis, codec, self.global_scale and not codec.is_exact,
                           self.accumulate if not codec.is_exact else "fp32", self.backend,
-                          permute=self.intra_axis is not None and axis == self.axis_name)
+                          permute=self.permutes(axis))
+
+    def permutes(self, axis) -> bool:
+        """Whether the quantized exchange over ``axis`` goes by shifted ``ppermute`` s
+        (:attr:`Collective.permute`): always with ``exchange="permute"``, never with
+        ``"all_to_all"``; ``"auto"``: on the outer axis of a hierarchical reduction (across
+        slices, where the TPU compiler sends an ``all_to_all``'s whole operand).
+
+        ``"permute"`` is also what lets the TPU compiler overlap the reduction: it issues a
+        ``ppermute`` asynchronously (``collective-permute-start``/``-done``) and schedules
+        compute between the two, while it keeps ``all_to_all`` and ``all_gather``
+        synchronous (README, "Reducing in the backward pass"). The bytes are the same by the
+        bus model; the compile takes longer (``P − 1`` exchanges per bucket and phase).
+
+        Args:
+          axis: ``axis_name`` or ``intra_axis``.
+
+        Returns:
+          ``True`` to exchange by ``ppermute`` s.
+        """
+        if axis != self.axis_name or self.exchange == "all_to_all":
+            return False
+        return self.exchange == "permute" or self.intra_axis is not None
 
     @property
     def reduced_axes(self) -> AxisName | None:

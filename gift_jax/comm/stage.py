@@ -136,6 +136,7 @@ def allreduce(
     shards: LocalShards | None = None,
     stack_axes: Any = None,
     groups: LayerGroups | None = None,
+    exchange: str = "auto",
 ) -> AllReduceTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -175,6 +176,12 @@ def allreduce(
         elements in reverse layer order), each group on a bucket plan of its own: the
         grouping :mod:`gift_jax.comm.overlap` reduces inside the backward pass, bit for bit.
         ``None``: one bucket plan over the whole tree.
+      exchange: how the quantized bytes cross ``axis_name``: ``"all_to_all"`` (one
+        ``all_to_all`` and one ``all_gather`` per bucket), ``"permute"`` (``P − 1`` shifted
+        ``ppermute`` s per phase: the same bytes, which the TPU compiler issues
+        asynchronously and overlaps with compute), or ``"auto"`` (``ppermute`` s on the outer
+        axis of a hierarchical reduction only). See
+        :meth:`~gift_jax.comm.collectives.AllReduceSpec.permutes`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -185,7 +192,7 @@ def allreduce(
     """
     spec = AllReduceSpec(
         axis_name, codec, block_size, mean, policy, bucket_elems, global_scale, accumulate,
-        backend, intra_axis, intra_codec, stack_axes,
+        backend, intra_axis, intra_codec, stack_axes, exchange,
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")

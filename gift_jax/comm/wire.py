@@ -233,6 +233,9 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
         if not m:
             continue
         kind, arrays = m.group("op"), array_bytes(m.group("type"))
+        if m.group("start"):  # the TPU compiler's async starts also carry u32[] sync scalars
+            arrays = [a for a, shape in zip(arrays, _ARRAY.finditer(m.group("type")),
+                                            strict=True) if shape.group("dims")]
         if m.group("start") and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
             # async start ops return (operands, results): keep the results for all-gather,
             # the operand for collective-permute

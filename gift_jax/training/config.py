@@ -33,6 +33,7 @@ import ml_collections
 from etils import epath
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
+from gift_jax.comm.collectives import EXCHANGES
 from gift_jax.data.storage import is_remote, local_or_url
 from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
 from gift_jax.training.defaults import default_config
@@ -609,6 +610,7 @@ def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
     the in-backward reduction only where it is built (the all-reduce stage alone, whole leaves
     per replica)."""
     _choice(config, "comm.reduce_in", REDUCE_IN)
+    _choice(config, "comm.exchange", EXCHANGES)
     _positive_int(config, "comm.bucket_elems")
     if config.comm.reduce_in != "backward":
         return

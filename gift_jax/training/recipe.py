@@ -112,6 +112,8 @@ class CommOptions:
         (:mod:`gift_jax.comm.overlap`; the stage then reduces by
         :class:`~gift_jax.comm.layer_groups.LayerGroups`).
       bucket_elems: the bucket size in elements.
+      exchange: how quantized bytes cross the data axis (``"auto"``, ``"all_to_all"``,
+        ``"permute"``; :func:`gift_jax.allreduce`).
     """
 
     codec: Codec
@@ -125,6 +127,7 @@ class CommOptions:
     stacked_layers: bool
     reduce_in: str
     bucket_elems: int
+    exchange: str
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
@@ -149,7 +152,7 @@ class CommOptions:
                    intra_codec=comm["intra_codec"],
                    distribute_refresh=bool(comm["distribute_refresh"]), seed=seed,
                    stacked_layers=stacked_layers, reduce_in=comm["reduce_in"],
-                   bucket_elems=int(comm["bucket_elems"]))
+                   bucket_elems=int(comm["bucket_elems"]), exchange=comm["exchange"])
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:
@@ -180,6 +183,7 @@ class CommOptions:
             stack_axes=stacked_kernels if self.stacked_layers else None,
             bucket_elems=self.bucket_elems,
             groups=LayerGroups(self.stacked_layers) if self.reduce_in == "backward" else None,
+            exchange=self.exchange,
         )
 
 
