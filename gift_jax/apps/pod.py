@@ -374,9 +374,13 @@ def xla_step(program: Program) -> jax.stages.Lowered:
       The lowered step ``(params, opt_state, batch) → (params, opt_state, loss)``.
     """
     mesh, recipe, layout = program.mesh, program.recipe, program.layout
-    # rows are split over every batch axis here (data too), not over fsdp alone
-    rules = tuple((k, ",".join(batch_axes(mesh)) if k == "batch" else v)
-                  for k, v in program.model_config.activation_axes)
+    # rows are split over every batch axis here (data too), not over fsdp alone; a
+    # data-parallel mesh has no activation rules in the trainer (its step is manual over every
+    # axis), but a plain jit needs the batch rule: it places the Pallas attention kernel's
+    # shard_map (without it the kernel runs replicated and GSPMD gathers every activation)
+    rules = dict(program.model_config.activation_axes)
+    rules["batch"] = ",".join(batch_axes(mesh))
+    rules = tuple(rules.items())
     model_config = dataclasses.replace(program.model_config, activation_axes=rules)
     model_def = model_def_of(model_config)
     optimizer = build_optimizer(recipe, (None,))

@@ -207,9 +207,19 @@ def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
     if not cfg.activation_axes:
         return x
     rules = dict(cfg.activation_axes)
-    split = lambda axes: tuple(axes.split(",")) if axes and "," in axes else axes
-    spec = jax.sharding.PartitionSpec(*(split(rules.get(n)) if n else None for n in names))
+    spec = jax.sharding.PartitionSpec(*(_mesh_axes(rules.get(n)) if n else None for n in names))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _mesh_axes(rule: str | None, among: tuple[str, ...] | None = None) -> str | tuple | None:
+    """The mesh axis (or axes, a rule joined by commas) of a logical rule, keeping only those
+    in ``among`` when given (``None`` when none is left)."""
+    if not rule:
+        return None
+    axes = tuple(rule.split(","))
+    if among is not None:
+        axes = tuple(a for a in axes if a in among)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str], *,
@@ -314,7 +324,7 @@ def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> 
     axes = non_manual_axes(min_size=1)
     if axes:
         rules = dict(cfg.activation_axes)
-        split = lambda name: rules.get(name) if rules.get(name) in axes else None
+        split = lambda name: _mesh_axes(rules.get(name), axes)
         spec = jax.sharding.PartitionSpec(split("batch"), split("heads"), None, None)
         kernel = jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(),
                                in_specs=(spec,) * 3, out_specs=spec, axis_names=set(axes),
