@@ -190,6 +190,35 @@ def test_scanned_flash_step_compiles_with_the_flash_kernel():
     assert len(kernels) >= 3  # the forward, dq and dkv kernels at least
 
 
+def test_in_backward_ppermute_reduction_is_asynchronous_and_xla_reduces_bf16_gradients():
+    """Data parallel on a v5p slice (8 replicas), the tiny model scanned with the flash kernel:
+    XLA's own reduction moves a bf16 all-reduce of the parameters (not gathered activations:
+    its attention kernel is split by rows), and the fp8 reduction inside the backward by
+    ppermutes is asynchronous, every collective across data a start/done pair with compute
+    scheduled between, at a quarter of fp32's bytes."""
+    import pathlib
+    import runpy
+
+    from gift_jax.apps.pod import compile_mode
+    from gift_jax.training.config import complete_config, set_fields
+
+    config = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "configs" / "tiny.py"))
+    config = set_fields(complete_config(config["get_config"]()), {
+        "model.attention_impl": "flash", "model.scan_layers": True, "model.remat": True,
+        "model.dtype": "bfloat16", "model.num_layers": 2, "train.global_batch_size": 32})
+    topology = tpu.parse_topology("v5p-16")
+    devices = tpu.topology_devices(topology)
+    [xla] = compile_mode(config, "xla_bf16", (8, 1, 1), devices, topology=topology)
+    assert xla.data_bytes <= 1.05 * 2 * 7 / 8 * 2 * xla.params
+    config = set_fields(config, {"comm.reduce_in": "backward", "comm.exchange": "permute"})
+    [ours] = compile_mode(config, "fp8", (8, 1, 1), devices, topology=topology)
+    assert ours.row()["reduction"] == "flat, in backward, ppermute"
+    o = ours.overlap
+    assert o.collectives > 0 and o.asynchronous >= 0.9 * o.collectives, o
+    assert any(n > 0 for n in o.compute_between), o
+    assert ours.data_bytes <= 0.26 * ours.fp32_local_bytes
+
+
 def test_compile_pod_script_topology(tmp_path, capsys):
     """scripts/compile_pod.py --topology: one row per (mesh, mode), each compiled in a child
     process by the TPU compiler; bad topologies and slice counts get one line, no traceback."""

@@ -228,6 +228,7 @@ class PodCompile:
     intra: int = 1  # replicas reducing together first (mesh.intra_size); 1: flat
     estimate: pod_estimate.Replay | None = None  # the step time (TPU compiler only)
     flags: str = "-"  # "maxtext": compiled with overlap_flags(); "-": the defaults
+    schedule: str = ""  # ", in backward" (comm.reduce_in) and ", ppermute" (comm.exchange)
 
     @property
     def total_bytes(self) -> int:
@@ -237,7 +238,8 @@ class PodCompile:
         gib = lambda b: round(b / 2**30, 3)
         row = {"compiler": self.compiler, "topology": self.topology or "-", "mode": self.mode,
                "mesh": "x".join(map(str, self.mesh)),
-               "reduction": "flat" if self.intra == 1 else f"{self.intra} first",
+               "reduction": ("flat" if self.intra == 1 else f"{self.intra} first")
+               + self.schedule,
                "variant": "refresh" if self.refresh else "ordinary",
                "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
                "total_GiB": gib(self.total_bytes)}
@@ -483,8 +485,15 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             dcn_bytes=dcn, ici_bytes=report.total if dcn else 0.0,
             overlap=schedule_overlap(text, mesh, data_axes(mesh)) if tpu else None,
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
-            flags="maxtext" if compiler_options else "-"))
+            flags="maxtext" if compiler_options else "-",
+            schedule="" if xla else _schedule(config.comm)))
     return out
+
+
+def _schedule(comm: Any) -> str:
+    """The ``reduction`` column's note of when and how the quantized reduction runs."""
+    return ((", in backward" if comm.reduce_in == "backward" else "")
+            + (", ppermute" if comm.exchange == "permute" else ""))
 
 
 def markdown_table(rows: Sequence[PodCompile | dict[str, Any]]) -> str:
