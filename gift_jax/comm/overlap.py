@@ -78,15 +78,11 @@ def _total(cotangents: list, acc: list | None, accum_steps: int) -> list:
     return [(a + c) / accum_steps for a, c in zip(acc, cotangents, strict=True)]
 
 
-def _reduce_loose(spec, accum_steps, cotangents, inputs):
+def _reducer(reduce: Callable, spec, accum_steps: int, cotangents, inputs):
+    """A hook's backward rule: ``reduce`` (:func:`reduce_group` or :func:`reduce_layer`) of
+    the step's mean gradient; the new buffers are the cotangent of the buffers' input."""
     key, acc, residuals = inputs
-    out, new = reduce_group(_total(cotangents, acc, accum_steps), spec, key, residuals)
-    return out, (None, None, new)
-
-
-def _reduce_layer(spec, accum_steps, cotangents, inputs):
-    key, acc, residuals = inputs
-    out, new = reduce_layer(_total(cotangents, acc, accum_steps), spec, key, residuals)
+    out, new = reduce(_total(cotangents, acc, accum_steps), spec, key, residuals)
     return out, (None, None, new)
 
 
@@ -103,7 +99,7 @@ def _layer_hook(spec, accum_steps: int, paths: list[str]) -> Callable[[Any, Any]
         if got != paths:
             raise ValueError(f"the scanned block's state has leaves {got}, the stacked "
                              f"gradient leaves {paths}: they must match in order")
-        out = _reduced_on_the_way_back(functools.partial(_reduce_layer, spec, accum_steps),
+        out = _reduced_on_the_way_back(functools.partial(_reducer, reduce_layer, spec, accum_steps),
                                        [x for _, x in flat], layer_inputs)
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -155,7 +151,7 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         for g, idx in enumerate(plan.loose):
             inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g])
             out = _reduced_on_the_way_back(
-                functools.partial(_reduce_loose, spec, accum_steps), _pick(leaves, idx), inputs)
+                functools.partial(_reducer, reduce_group, spec, accum_steps), _pick(leaves, idx), inputs)
             for i, value in zip(idx, out, strict=True):
                 hooked[i] = value
         model_params = jax.tree_util.tree_unflatten(treedef, hooked)
