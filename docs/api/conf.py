@@ -7,8 +7,9 @@ Build it (from the repository root; the output folder build/ is ignored by git):
 
 The narrative pages hold no text of their own: a line ``% readme-section: ## HEADING`` in a page
 is replaced, when Sphinx reads the page, by that ``## HEADING`` section of README.md (links to
-the repository's ``docs/*.md`` pages rewritten, other repository files named as code), so the README stays the one source of its
-examples. The reference pages are autodoc over the Google-style docstrings (napoleon).
+the repository's ``docs/*.md`` pages rewritten, other repository files named as code), so the
+README stays the one source of its examples. The reference pages are autodoc over the
+Google-style docstrings (napoleon).
 """
 
 import pathlib

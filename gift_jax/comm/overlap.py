@@ -151,7 +151,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         for g, idx in enumerate(plan.loose):
             inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g])
             out = _reduced_on_the_way_back(
-                functools.partial(_reducer, reduce_group, spec, accum_steps), _pick(leaves, idx), inputs)
+                functools.partial(_reducer, reduce_group, spec, accum_steps), _pick(leaves, idx),
+                inputs)
             for i, value in zip(idx, out, strict=True):
                 hooked[i] = value
         model_params = jax.tree_util.tree_unflatten(treedef, hooked)
