@@ -43,7 +43,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, parse_hlo
+from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, loop_trips, parse_hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,6 @@ _HEAD = re.compile(r"^(?:ENTRY\s+)?(?P<name>%[\w.\-]+)\s*(?P<sig>\(.*)\{\s*$")
 _CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computations)="
                     r"\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _BODY = re.compile(r"\bbody=(%[\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
          "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done"}
 
@@ -281,21 +280,12 @@ class Replay:
 
 
 _COND = re.compile(r"\bcondition=(%[\w.\-]+)")
-_CONST = re.compile(r"constant\((\d+)\)")
 
 
 def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]]) -> int:
-    """A loop's trip count: XLA's ``known_trip_count`` where the backend config has it, else
-    the bound of its condition (``counter < N`` against a constant, a ``lax.scan``'s form;
-    the TPU compiler's scheduled HLO drops the annotation), else 1."""
-    m = _TRIP.search(ins.attrs)
-    if m:
-        return int(m.group(1))
+    """A loop's trip count (:func:`gift_jax.comm.wire.loop_trips`)."""
     cond = _COND.search(ins.attrs)
-    lines = comps.get(cond.group(1), ()) if cond else ()
-    bounds = [int(c.group(1)) for i in lines for c in [_CONST.search(i.line)] if c]
-    compares = [i for i in lines if i.op == "compare" and "direction=LT" in i.attrs]
-    return bounds[0] if len(bounds) == 1 and compares else 1
+    return loop_trips(ins.line, [i.line for i in comps.get(cond.group(1), ())] if cond else [])
 
 
 def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:

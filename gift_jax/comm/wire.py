@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -269,11 +270,30 @@ _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONSTANT = re.compile(r"constant\((\d+)\)")
 
 
+def loop_trips(while_line: str, condition: Sequence[str]) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count`` where the backend config has it,
+    else the bound of its condition (``counter < N`` against one constant, a ``lax.scan``'s
+    form; the TPU compiler's scheduled HLO drops the annotation), else 1.
+
+    Args:
+      while_line: the ``while`` instruction's line.
+      condition: the lines of its condition computation.
+
+    Returns:
+      The trip count.
+    """
+    known = _KNOWN_TRIPS.search(while_line)
+    if known:
+        return int(known.group(1))
+    bounds = [int(c.group(1)) for c in map(_CONSTANT.search, condition) if c]
+    compares = any(" compare(" in line and "direction=LT" in line for line in condition)
+    return bounds[0] if len(bounds) == 1 and compares else 1
+
+
 def executions(hlo_text: str) -> dict[str, int]:
     """How often each computation of an HLO module runs per call of its entry: a while loop's
-    body its trip count times its caller's count (XLA's ``known_trip_count``, else the one
-    constant bound of its condition, a ``lax.scan``'s ``i < N``; 1 when neither is there),
-    any other called computation as often as its callers.
+    body its trip count (:func:`loop_trips`) times its caller's count, any other called
+    computation as often as its callers.
 
     Args:
       hlo_text: the text of an HLO module.
@@ -302,11 +322,7 @@ def executions(hlo_text: str) -> dict[str, int]:
                      for m in _CALLED.finditer(line)}
             trips = 1
             if "body" in calls:
-                known = _KNOWN_TRIPS.search(line)
-                cond = bodies.get(calls.get("condition", [""])[0], ())
-                bounds = [int(c.group(1)) for c in map(_CONSTANT.search, cond) if c]
-                trips = (int(known.group(1)) if known
-                         else bounds[0] if len(bounds) == 1 else 1)
+                trips = loop_trips(line, bodies.get(calls.get("condition", [""])[0], ()))
             for how, names in calls.items():
                 for callee in names:
                     visit(callee, n * (trips if how == "body" else 1), depth + 1)
