@@ -96,7 +96,7 @@ class LayerGroups:
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
         paths = [leaf_path(p).split("/") for p, _ in flat]
         sizes = [math.prod(jnp.shape(x)) for _, x in flat]
-        if sum(sizes) <= bucket_elems:
+        if one_bucket(tree, bucket_elems):
             return GroupPlan((tuple(range(len(flat))),))
         blocks = [i for i, p in enumerate(paths) if p[0] == self.block_key and len(p) > 1]
         modules: dict[str, list[int]] = {}
@@ -126,6 +126,20 @@ class LayerGroups:
         if current:
             groups.append(tuple(sorted(current)))
         return GroupPlan(tuple(groups) + rest)
+
+
+def one_bucket(tree: Any, bucket_elems: int) -> bool:
+    """Whether ``bucket_elems`` holds the whole tree: it is then one group, reduced once the
+    backward pass is done (nothing to overlap).
+
+    Args:
+      tree: the gradient tree (arrays or abstract shapes).
+      bucket_elems: the bucket size.
+
+    Returns:
+      ``True`` when the tree has at most ``bucket_elems`` elements.
+    """
+    return sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(tree)) <= bucket_elems
 
 
 def group_key(key: jax.Array | None, g: int) -> jax.Array | None:

@@ -42,11 +42,12 @@ from gift_jax.comm.layer_groups import (
     GroupPlan,
     group_key,
     layer_keys,
+    one_bucket,
     reduce_group,
     reduce_layer,
     split_residuals,
 )
-from gift_jax.comm.stage import AllReduceState, AllReduceTransformation
+from gift_jax.comm.stage import AllReduceState, AllReduceTransformation, step_keys
 from gift_jax.utils.block_hook import block_hook
 from gift_jax.utils.tree_paths import leaf_path
 
@@ -138,7 +139,7 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
                          "(an allreduce stage without shards)")
     spec, groups = stage.spec, stage.groups
     plan: GroupPlan = groups.plan(params, spec.bucket_elems)
-    key, sub = (None, None) if state.key is None else jax.random.split(state.key)
+    key, sub = step_keys(state)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
@@ -204,11 +205,10 @@ def warn_if_one_bucket(params: Any, bucket_elems: int) -> bool:
     Returns:
       Whether it warned.
     """
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    if total > bucket_elems:
+    if not one_bucket(params, bucket_elems):
         return False
     logging.getLogger(__name__).warning(
         "comm.bucket_elems=%d holds the whole gradient (%d elements): one bucket, reduced "
         "after the backward pass (nothing overlaps); a smaller bucket overlaps", bucket_elems,
-        total)
+        sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
     return True

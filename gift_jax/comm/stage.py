@@ -232,9 +232,7 @@ def allreduce(
     def update_fn(updates, state, params=None):
         del params
         require_per_device(updates, spec.reduced_axes, "gift_jax.allreduce")
-        key, sub = (None, None)
-        if state.key is not None:
-            key, sub = jax.random.split(state.key)
+        key, sub = step_keys(state)
         if shards is None:
             reduced, residuals = reduce(updates, sub, state.residuals)
         else:  # each device reduces its own shard (manual over shards.axes as well)
@@ -248,6 +246,23 @@ def allreduce(
         return reduced, AllReduceState(key, residuals)
 
     return AllReduceTransformation(init_fn, update_fn, spec, shards, groups)
+
+
+def step_keys(state: AllReduceState) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(next state's key, this step's key)`` of an :func:`allreduce` stage: the split its
+    update makes (``(None, None)`` without stochastic rounding); reducing inside the backward
+    (:mod:`gift_jax.comm.overlap`) makes the same one.
+
+    Args:
+      state: the stage's state before the step.
+
+    Returns:
+      The two keys, or ``(None, None)``.
+    """
+    if state.key is None:
+        return None, None
+    key, sub = jax.random.split(state.key)
+    return key, sub
 
 
 def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) -> Any:
