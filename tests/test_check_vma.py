@@ -110,7 +110,11 @@ def test_hierarchical_axes_under_check_vma():
                                      in_specs=(P(), P(("data", "intra")), P(("data", "intra"))),
                                      out_specs=P(), check_vma=check_vma))(params, x, y)
 
-    jax.tree.map(np.testing.assert_array_equal, run(True), run(False))
+    # the two graphs differ (pcast), and on some CPUs XLA rounds the fp32 intra-axis legs
+    # differently by an ulp (seen: 1.5e-7 relative on 60 % of one leaf); a scale, codec or axis
+    # mistake under check_vma is orders of magnitude larger
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0),
+                 run(True), run(False))
 
 
 def test_cond_types_branches_alike():

@@ -35,3 +35,19 @@ def test_optax_records_accepted_and_bad_axes_named():
                 MatrixDimensionNumbers((), 1), MatrixDimensionNumbers((0, 0), 1)]:
         with pytest.raises(ValueError, match="where-it-is: dimension numbers .* do not fit"):
             MatrixView.of((4, 5), bad, "where-it-is")
+
+
+def test_layer_slice_views_one_layer_of_a_stacked_leaf():
+    """A stacked leaf (layers, heads, in, out): the slice's matrices are the stacked view's
+    matrices of that layer, in the same order; a leaf whose first axis is not a batch axis
+    has no layer slices."""
+    x = jnp.arange(3 * 2 * 4 * 5, dtype=jnp.float32).reshape(3, 2, 4, 5)
+    stacked = MatrixView.of(x.shape, MatrixDimensionNumbers(2, 3), "t")
+    one = stacked.layer_slice()
+    assert one.shape == (2, 4, 5) and one.batch == 2
+    for layer in range(3):
+        np.testing.assert_array_equal(one.to_matrix(x[layer]),
+                                      stacked.to_matrix(x).reshape(3, 2, 4, 5)[layer])
+        np.testing.assert_array_equal(one.from_matrix(one.to_matrix(x[layer])), x[layer])
+    with pytest.raises(ValueError, match="first axis is not a batch axis"):
+        MatrixView.of((4, 5), MatrixDimensionNumbers(0, 1), "t").layer_slice()

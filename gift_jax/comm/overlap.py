@@ -22,6 +22,12 @@ Gradient accumulation: the first microbatches' gradients are summed as usual; th
 microbatch's backward adds that sum to its cotangent and divides by the count — the operations
 of the reduction after the backward, in the same order.
 
+A stage around the all-reduce that maps some leaves into another frame and back (GIFT:
+whiten, reduce, unwhiten) reduces in the backward too: it declares the change of frame
+(:class:`Frame`, through a ``frame_in_backward`` method, :class:`AroundAllReduce`), and each
+hook maps its group's mean gradient into the frame, reduces it, and maps it back — the
+stage's own per-leaf maps, on the same values.
+
 Both forms call the same per-group functions (:func:`~gift_jax.comm.layer_groups.reduce_group`,
 :func:`~gift_jax.comm.layer_groups.reduce_layer`) on the same values, so the step is bit for
 bit the step that reduces after the backward with the same stage (``tests/test_overlap.py``).
@@ -33,7 +39,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -79,20 +85,83 @@ def _total(cotangents: list, acc: list | None, accum_steps: int) -> list:
     return [(a + c) / accum_steps for a, c in zip(acc, cotangents, strict=True)]
 
 
-def _reducer(reduce: Callable, spec, accum_steps: int, cotangents, inputs):
+class Frame(NamedTuple):
+    """A change of frame of some leaves around their reduction, applied leaf by leaf inside
+    each group's hook: the group's mean gradient mapped by ``enter``, reduced, mapped back by
+    ``leave`` — what a stage around the all-reduce does after the backward (GIFT: ``W·G``,
+    reduce, ``W⁻¹·``).
+
+    Attributes:
+      enter: ``(leaf index, gradient, data, one_layer) → gradient in the frame``;
+        ``one_layer``: the gradient is one layer's slice of a stacked leaf, and ``data`` that
+        layer's slice of the leaf's data.
+      leave: ``(leaf index, reduced gradient, data, one_layer) → gradient``.
+      data: ``{leaf index: pytree of arrays}`` of the mapped leaves (indices into the
+        flattened parameters); each array's leading axis lists the leaf's matrices, a stacked
+        leaf's layers outermost (layer ``l``'s slice is ``x.reshape(layers, -1, ...)[l]``).
+    """
+
+    enter: Callable[[int, jax.Array, Any, bool], jax.Array]
+    leave: Callable[[int, jax.Array, Any, bool], jax.Array]
+    data: dict[int, Any]
+
+
+class AroundAllReduce(NamedTuple):
+    """What a stage around a grouped all-reduce declares to reduce in the backward (its
+    ``frame_in_backward(params, state)`` method; GIFT's stage has one).
+
+    Attributes:
+      stage: the grouped :func:`gift_jax.allreduce` it wraps.
+      state: that stage's state in this step.
+      frame: the change of frame around it.
+      finish: ``the all-reduce's new state → the wrapping stage's new state``.
+    """
+
+    stage: AllReduceTransformation
+    state: AllReduceState
+    frame: Frame
+    finish: Callable[[AllReduceState], Any]
+
+
+def _mapped(fn: Callable | None, idx: tuple[int, ...], leaves: list, data: list | None,
+            one_layer: bool) -> list:
+    if fn is None:
+        return list(leaves)
+    return [x if d is None else fn(i, x, d, one_layer)
+            for i, x, d in zip(idx, leaves, data, strict=True)]
+
+
+def _reducer(reduce: Callable, spec, accum_steps: int, maps: tuple, idx: tuple[int, ...],
+             one_layer: bool, cotangents, inputs):
     """A hook's backward rule: ``reduce`` (:func:`reduce_group` or :func:`reduce_layer`) of
-    the step's mean gradient; the new buffers are the cotangent of the buffers' input."""
-    key, acc, residuals = inputs
-    out, new = reduce(_total(cotangents, acc, accum_steps), spec, key, residuals)
-    return out, (None, None, new)
+    the step's mean gradient, inside the frame ``maps = (enter, leave)`` (or ``(None,
+    None)``); the new buffers are the cotangent of the buffers' input."""
+    key, acc, residuals, data = inputs
+    enter, leave = maps
+    sent = _mapped(enter, idx, _total(cotangents, acc, accum_steps), data, one_layer)
+    out, new = reduce(sent, spec, key, residuals)
+    return _mapped(leave, idx, out, data, one_layer), (None, None, new, None)
 
 
 def _pick(leaves: list | None, idx: tuple[int, ...]) -> list | None:
     return None if leaves is None else [leaves[i] for i in idx]
 
 
-def _layer_hook(spec, accum_steps: int, paths: list[str]) -> Callable[[Any, Any], Any]:
+def _frame_data(frame: Frame | None, idx: tuple[int, ...], num_layers: int = 0
+                ) -> list | None:
+    """The frame's data of the leaves ``idx`` (``None`` where a leaf is not mapped); with
+    ``num_layers``, reshaped to lead with the layer axis (the scan slices it)."""
+    if frame is None:
+        return None
+    split = lambda d: jax.tree.map(lambda x: x.reshape((num_layers, -1) + x.shape[1:]), d)
+    return [None if i not in frame.data else split(frame.data[i]) if num_layers
+            else frame.data[i] for i in idx]
+
+
+def _layer_hook(spec, accum_steps: int, paths: list[str], maps: tuple,
+                idx: tuple[int, ...]) -> Callable[[Any, Any], Any]:
     """The :func:`~gift_jax.utils.block_hook.block_hook` function of the scanned group."""
+    reducer = functools.partial(_reducer, reduce_layer, spec, accum_steps, maps, idx, True)
 
     def hook(block_state, layer_inputs):
         flat, treedef = jax.tree_util.tree_flatten_with_path(block_state)
@@ -100,17 +169,15 @@ def _layer_hook(spec, accum_steps: int, paths: list[str]) -> Callable[[Any, Any]
         if got != paths:
             raise ValueError(f"the scanned block's state has leaves {got}, the stacked "
                              f"gradient leaves {paths}: they must match in order")
-        out = _reduced_on_the_way_back(functools.partial(_reducer, reduce_layer, spec, accum_steps),
-                                       [x for _, x in flat], layer_inputs)
+        out = _reduced_on_the_way_back(reducer, [x for _, x in flat], layer_inputs)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     return hook
 
 
 def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
-                           stage: optax.GradientTransformation, state: AllReduceState, *,
-                           acc: Any = None, accum_steps: int = 1
-                           ) -> tuple[jax.Array, Any, AllReduceState]:
+                           stage: optax.GradientTransformation, state: Any, *,
+                           acc: Any = None, accum_steps: int = 1) -> tuple[jax.Array, Any, Any]:
     """``jax.value_and_grad(loss_fn)(params)`` with the gradient reduced inside the backward.
 
     Call inside ``jax.shard_map`` (manual over the stage's axes), on per-device parameters.
@@ -120,7 +187,9 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         must apply them with :func:`gift_jax.models.common.apply_blocks` (every family here
         does).
       params: the parameters.
-      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; no ``shards``).
+      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; no ``shards``), or a stage
+        around one with a ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's
+        stage on its ordinary steps).
       state: the stage's state before the step.
       acc: the sum of the earlier microbatches' gradients (like ``params``), or ``None``.
       accum_steps: microbatches in the step (the reduced gradient is their mean).
@@ -130,8 +199,12 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
       gradient would return, bit for bit.
 
     Raises:
-      ValueError: ``stage`` is not a grouped all-reduce on whole leaves.
+      ValueError: ``stage`` is not a grouped all-reduce on whole leaves, nor around one.
     """
+    around = getattr(stage, "frame_in_backward", None)
+    around = (AroundAllReduce(stage, state, None, lambda s: s) if around is None
+              else around(params, state))
+    stage, frame = around.stage, around.frame
     if not isinstance(stage, AllReduceTransformation) or stage.groups is None:
         raise ValueError("reducing in the backward needs gift_jax.allreduce(..., groups=...)")
     if stage.shards is not None:
@@ -139,10 +212,11 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
                          "(an allreduce stage without shards)")
     spec, groups = stage.spec, stage.groups
     plan: GroupPlan = groups.plan(params, spec.bucket_elems)
-    key, sub = step_keys(state)
+    key, sub = step_keys(around.state)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
+    maps = (None, None) if frame is None else (frame.enter, frame.leave)
 
     def loss_of(p, residuals):
         leaves, treedef = jax.tree_util.tree_flatten(p)
@@ -150,22 +224,25 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         loose_res, layer_res = split_residuals(residuals, leaves, spec, plan)
         hooked = list(leaves)
         for g, idx in enumerate(plan.loose):
-            inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g])
+            inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g],
+                      _frame_data(frame, idx))
             out = _reduced_on_the_way_back(
-                functools.partial(_reducer, reduce_group, spec, accum_steps), _pick(leaves, idx),
-                inputs)
+                functools.partial(_reducer, reduce_group, spec, accum_steps, maps, idx, False),
+                _pick(leaves, idx), inputs)
             for i, value in zip(idx, out, strict=True):
                 hooked[i] = value
         model_params = jax.tree_util.tree_unflatten(treedef, hooked)
         if not plan.stacked:
             return loss_fn(model_params)
-        per_layer = (layer_keys(sub, plan), _pick(acc_leaves, plan.stacked), layer_res)
-        with block_hook(_layer_hook(spec, accum_steps, layer_paths), per_layer):
+        per_layer = (layer_keys(sub, plan), _pick(acc_leaves, plan.stacked), layer_res,
+                     _frame_data(frame, plan.stacked, plan.num_layers))
+        with block_hook(_layer_hook(spec, accum_steps, layer_paths, maps, plan.stacked),
+                        per_layer):
             return loss_fn(model_params)
 
     loss, (grads, residuals) = jax.value_and_grad(loss_of, argnums=(0, 1))(
-        params, state.residuals)
-    return loss, grads, AllReduceState(key, residuals)
+        params, around.state.residuals)
+    return loss, grads, around.finish(AllReduceState(key, residuals))
 
 
 def reducible_in_backward(stage: optax.GradientTransformation
@@ -174,7 +251,8 @@ def reducible_in_backward(stage: optax.GradientTransformation
     gradient inside the backward (:func:`loss_and_reduced_grads`).
 
     ``update(g, state, params, reduced_in_backward=new_state)`` passes ``g`` through and
-    takes ``new_state`` as the stage's state; without that argument it is ``stage.update``. The
+    takes ``new_state`` as the stage's state; without that argument it is ``stage.update``
+    (given the chain's extra arguments, e.g. GIFT's statistics on a refresh step). The
     rest of the chain (clipping, the optimizer, a non-finite guard) then runs on the reduced
     gradient exactly as after a reduction by ``stage.update``.
 
@@ -185,13 +263,27 @@ def reducible_in_backward(stage: optax.GradientTransformation
       The transformation (``init`` is ``stage.init``).
     """
 
+    inner = optax.with_extra_args_support(stage)
+
     def update_fn(updates, state, params=None, *, reduced_in_backward=None, **extra_args):
-        del extra_args
         if reduced_in_backward is None:
-            return stage.update(updates, state, params)
+            return inner.update(updates, state, params, **extra_args)
         return updates, reduced_in_backward
 
     return optax.GradientTransformationExtraArgs(stage.init, update_fn)
+
+
+def grouped_allreduce(stage: optax.GradientTransformation) -> AllReduceTransformation:
+    """The all-reduce ``stage`` reduces with: ``stage`` itself, or the one a stage around it
+    wraps (its ``reduce_stage``, as GIFT's stage declares it).
+
+    Args:
+      stage: an :func:`gift_jax.allreduce` stage or a stage around one.
+
+    Returns:
+      The all-reduce stage.
+    """
+    return getattr(stage, "reduce_stage", stage)
 
 
 def warn_if_one_bucket(params: Any, bucket_elems: int) -> bool:

@@ -607,18 +607,23 @@ REDUCE_IN = ("after", "backward")
 
 def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
     """``comm.reduce_in`` and ``comm.bucket_elems``: a known value, a positive bucket size, and
-    the in-backward reduction only where it is built (the all-reduce stage alone, whole leaves
-    per replica)."""
+    the in-backward reduction only where it is built (the all-reduce stage alone or GIFT on the
+    fixed refresh clock, whole leaves per replica)."""
     _choice(config, "comm.reduce_in", REDUCE_IN)
     _choice(config, "comm.exchange", EXCHANGES)
     _positive_int(config, "comm.bucket_elems")
     if config.comm.reduce_in != "backward":
         return
-    if config.comm.method != "none":
+    if config.comm.method not in ("none", "gift"):
         raise ConfigError(
-            f"comm.reduce_in='backward' is built for comm.method='none' (any comm.codec); "
-            f"comm.method={config.comm.method!r} reduces after the backward: set "
+            f"comm.reduce_in='backward' is built for comm.method 'none' and 'gift' (any "
+            f"comm.codec); comm.method={config.comm.method!r} reduces after the backward: set "
             "comm.reduce_in='after'")
+    if config.comm.method == "gift" and config.gift.get("refresh", "fixed") != "fixed":
+        raise ConfigError(
+            f"comm.reduce_in='backward' with comm.method='gift' needs gift.refresh='fixed' "
+            f"(got {config.gift.refresh!r}: the adaptive rule measures every step's input "
+            "coverage in the forward pass); or set comm.reduce_in='after'")
     if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
         raise ConfigError(
             "comm.reduce_in='backward' needs whole parameters per replica (mesh.fsdp=1 and "

@@ -72,6 +72,9 @@ class CommPlan:
     shards: Any = None
 
     name = "none"
+    #: the type name of the communication stage's state in the optimizer state (what the
+    #: in-backward reduction reads, ``optax.tree.get``)
+    stage_state = "AllReduceState"
 
     # ---- host side ----------------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class GiftPlan(CommPlan):
     of ``gift.layers`` and pass them as ``gift_stats=`` (``gift_output_stats=``)."""
 
     name = "gift"
+    stage_state = "GiftState"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
         """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when

@@ -39,8 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.comm.overlap import loss_and_reduced_grads, warn_if_one_bucket
-from gift_jax.comm.stage import AllReduceState
+from gift_jax.comm.overlap import grouped_allreduce, loss_and_reduced_grads, warn_if_one_bucket
 from gift_jax.comm.wire import WireReport, parse_hlo
 from gift_jax.models import model_spec
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
@@ -314,10 +313,10 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         params = _constrain(params, specs)
         if sharded:
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
-        if optimizer.in_backward:  # reduced group by group inside the backward pass
+        if optimizer.in_backward and not refresh:  # reduced inside the backward pass
             loss, grads, reduced = _loss_and_reduced_grads(
                 model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
-                optimizer.stage, optax.tree.get(opt_state, AllReduceState.__name__))
+                optimizer.stage, optax.tree.get(opt_state, plan.stage_state))
             kwargs = {"reduced_in_backward": reduced}
         else:
             loss, grads, stats = _local_loss_and_grads(
@@ -449,7 +448,7 @@ class TrainStep:
                                  sharding=self.batch_sharding),
         )
         if optimizer.in_backward:
-            warn_if_one_bucket(params, optimizer.stage.spec.bucket_elems)
+            warn_if_one_bucket(params, grouped_allreduce(optimizer.stage).spec.bucket_elems)
         self._compiled: dict[bool, jax.stages.Compiled] = {}
         self._wire: dict[bool, WireReport] = {}
         self.compile_count = 0

@@ -107,6 +107,24 @@ class MatrixView:
     def n_output(self) -> int:
         return math.prod(self.shape[a] for a in self.output_axes)
 
+    def layer_slice(self) -> MatrixView:
+        """The view of one slice ``x[l]`` along the leaf's first axis, a batch axis (one layer
+        of a leaf stacked over scanned layers): that axis dropped, the others renumbered.
+
+        Returns:
+          The slice's view; its matrices are the ``batch / shape[0]`` matrices of one slice,
+          in the order :meth:`to_matrix` lists them within the slice.
+
+        Raises:
+          ValueError: the first axis is not a batch axis.
+        """
+        if not self.batch_axes or self.batch_axes[0] != 0:
+            raise ValueError(f"a leaf of shape {self.shape} whose first axis is not a batch "
+                             "axis has no per-layer slices")
+        drop = lambda axes: tuple(a - 1 for a in axes if a != 0)
+        return MatrixView(self.shape[1:], drop(self.batch_axes), drop(self.reduction_axes),
+                          drop(self.output_axes))
+
     def _perm(self, reduction_first: bool) -> tuple[int, ...]:
         first, second = ((self.reduction_axes, self.output_axes) if reduction_first
                          else (self.output_axes, self.reduction_axes))

@@ -107,6 +107,7 @@ import jax.numpy as jnp
 import optax
 
 from gift_jax import whitening as wh
+from gift_jax.comm.overlap import AroundAllReduce, Frame
 from gift_jax.comm.stage import (
     allreduce_axis,
     allreduce_spec,
@@ -123,6 +124,7 @@ __all__ = [
     "GiftDimensionNumbers",
     "GiftLeafState",
     "GiftState",
+    "GiftTransformation",
     "Settings",
     "gift",
     "coverage_basis",
@@ -940,14 +942,30 @@ def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str,
     for p, x in flat:
         path = leaf_path(p)
         if path in sel:
-            lay = sel[path]
-            m = lay.to_matrix(x)
-            y = jax.vmap(fn)(factors[path], m)
-            if use is not None:
-                y = jnp.where(use[path][:, None, None], y, m.astype(y.dtype))
-            x = lay.from_matrix(y, shape=x.shape).astype(x.dtype)
+            x = map_leaf(sel[path], x, factors[path], fn, None if use is None else use[path])
         out.append(x)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def map_leaf(lay: MatrixView, x: jax.Array, factor: Any, fn: Any,
+             use: jax.Array | None = None) -> jax.Array:
+    """``fn`` (``whiten`` or ``unwhiten``) on each matrix of one leaf (:func:`transform`).
+
+    Args:
+      lay: the leaf's view, ``(B, n, m)`` matrices.
+      x: the leaf.
+      factor: its factors, leading (B,) axis.
+      fn: ``whiten`` or ``unwhiten`` of one matrix.
+      use: ``(B,) bool`` (map only these matrices), or ``None`` (all).
+
+    Returns:
+      ``x`` mapped, in its dtype.
+    """
+    m = lay.to_matrix(x)
+    y = jax.vmap(fn)(factor, m)
+    if use is not None:
+        y = jnp.where(use[:, None, None], y, m.astype(y.dtype))
+    return lay.from_matrix(y, shape=x.shape).astype(x.dtype)
 
 
 def route(s: Settings, updates: Any, sel: Mapping[str, MatrixView], state: GiftState
@@ -1102,6 +1120,70 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
     return out, state._replace(inner_state=inner_state)
 
 
+def frame_in_backward(s: Settings, params: Any, state: GiftState) -> AroundAllReduce:
+    """An ordinary step of the stage as a change of frame around its all-reduce, for reducing
+    inside the backward pass (:func:`gift_jax.comm.overlap.loss_and_reduced_grads`): each
+    group's selected leaves are whitened with this step's factors (routed as :func:`update`
+    routes them), reduced and unwhitened in their group's hook — :func:`update` without
+    statistics, leaf by leaf, bit for bit.
+
+    Args:
+      s: the stage's settings.
+      params: the per-device parameters (the gradients' structure).
+      state: the :class:`GiftState` before the step.
+
+    Returns:
+      The :class:`~gift_jax.comm.overlap.AroundAllReduce`: the inner all-reduce and its state,
+      the whitening frame, and the map from the inner stage's new state to the stage's.
+
+    Raises:
+      ValueError: ``track_coverage=True`` (its ordinary steps measure the coverage from the
+        forward pass's inputs: reduce after the backward).
+    """
+    if s.track_coverage:
+        raise ValueError("gift: a track_coverage=True stage measures each step's input "
+                         "coverage (gift_coverage=) and reduces after the backward pass")
+    sel = s.select(params)
+    state = state._replace(count=state.count + 1)
+    factors, use = state.member("factor"), state.member("use_whitening") or None
+    index = {leaf_path(p): i
+             for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    views = {index[path]: lay for path, lay in sel.items()}
+
+    def by_leaf(fn):
+        def apply(i, x, data, one_layer):
+            factor, leaf_use = data
+            return map_leaf(views[i].layer_slice() if one_layer else views[i], x, factor, fn,
+                            leaf_use)
+        return apply
+
+    frame = Frame(by_leaf(wh.whiten), by_leaf(wh.unwhiten),
+                  {index[p]: (factors[p], None if use is None else use[p]) for p in sel})
+    return AroundAllReduce(s.reduce_stage, state.inner_state, frame,
+                           lambda inner_state: state._replace(inner_state=inner_state))
+
+
+class GiftTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`gift` returns: optax's ``(init, update)`` pair, with its :class:`Settings`
+    and :meth:`frame_in_backward` (the in-backward reduction reads it)."""
+
+    settings: Settings
+
+    def __new__(cls, init, update, settings: Settings):
+        self = super().__new__(cls, init, update)
+        self.settings = settings
+        return self
+
+    @property
+    def reduce_stage(self) -> optax.GradientTransformation:
+        """The wrapped all-reduce stage, as given."""
+        return self.settings.reduce_stage
+
+    def frame_in_backward(self, params: Any, state: GiftState) -> AroundAllReduce:
+        """:func:`frame_in_backward` of this stage's settings."""
+        return frame_in_backward(self.settings, params, state)
+
+
 def gift(
     inner: optax.GradientTransformation,
     layers: Sequence[str] = ("*/mlp/down_proj",),
@@ -1166,9 +1248,10 @@ def gift(
         reference); ordinary steps then need ``gift_coverage=`` (see the module docstring).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state :class:`GiftState`: ``init``
-      is :func:`init_state`, ``update`` is :func:`update`, over the validated
-      :class:`Settings`.
+      A :class:`GiftTransformation` (an ``optax.GradientTransformationExtraArgs``) with state
+      :class:`GiftState`: ``init`` is :func:`init_state`, ``update`` is :func:`update`, over
+      the validated :class:`Settings`; with a grouped ``inner`` its ordinary steps can reduce
+      inside the backward pass (:func:`gift_jax.comm.overlap.loss_and_reduced_grads`).
     """
     s = Settings.build(
         inner, layers, rank=rank, factor=factor, damping=damping, ema=ema,
@@ -1177,5 +1260,4 @@ def gift(
         dimension_numbers=dimension_numbers, two_sided=two_sided,
         distribute_refresh=distribute_refresh, seed=seed, route_frame=route_frame,
         route_adam_eps=route_adam_eps, track_coverage=track_coverage)
-    return optax.GradientTransformationExtraArgs(functools.partial(init_state, s),
-                                                 functools.partial(update, s))
+    return GiftTransformation(functools.partial(init_state, s), functools.partial(update, s), s)
