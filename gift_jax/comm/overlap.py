@@ -35,11 +35,12 @@ bit the step that reduces after the backward with the same stage (``tests/test_o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
@@ -85,7 +86,8 @@ def _total(cotangents: list, acc: list | None, accum_steps: int) -> list:
     return [(a + c) / accum_steps for a, c in zip(acc, cotangents, strict=True)]
 
 
-class Frame(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Frame:
     """A change of frame of some leaves around their reduction, applied leaf by leaf inside
     each group's hook: the group's mean gradient mapped by ``enter``, reduced, mapped back by
     ``leave`` — what a stage around the all-reduce does after the backward (GIFT: ``W·G``,
@@ -106,21 +108,22 @@ class Frame(NamedTuple):
     data: dict[int, Any]
 
 
-class AroundAllReduce(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class AroundAllReduce:
     """What a stage around a grouped all-reduce declares to reduce in the backward (its
     ``frame_in_backward(params, state)`` method; GIFT's stage has one).
 
     Attributes:
       stage: the grouped :func:`gift_jax.allreduce` it wraps.
-      state: that stage's state in this step.
-      frame: the change of frame around it.
+      state: that stage's state in this step (an ``AllReduceState``).
+      frame: the change of frame around it (``None``: none).
       finish: ``the all-reduce's new state → the wrapping stage's new state``.
     """
 
-    stage: AllReduceTransformation
-    state: AllReduceState
-    frame: Frame
-    finish: Callable[[AllReduceState], Any]
+    stage: optax.GradientTransformation
+    state: Any
+    frame: Frame | None
+    finish: Callable[[Any], Any]
 
 
 def _mapped(fn: Callable | None, idx: tuple[int, ...], leaves: list, data: list | None,

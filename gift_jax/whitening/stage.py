@@ -1180,7 +1180,15 @@ class GiftTransformation(optax.GradientTransformationExtraArgs):
         return self.settings.reduce_stage
 
     def frame_in_backward(self, params: Any, state: GiftState) -> AroundAllReduce:
-        """:func:`frame_in_backward` of this stage's settings."""
+        """:func:`frame_in_backward` of this stage's settings.
+
+        Args:
+          params: the per-device parameters.
+          state: the :class:`GiftState` before the step.
+
+        Returns:
+          The :class:`~gift_jax.comm.overlap.AroundAllReduce` of an ordinary step.
+        """
         return frame_in_backward(self.settings, params, state)
 
 
