@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax as gj
 from gift_jax.comm import codecs as C
+from gift_jax.comm.wire import loop_trips
 
 N = 8
 
@@ -134,3 +135,34 @@ def test_an_async_permute_counts_its_operand_once():
             "source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}")
     (op,) = gj.parse_hlo(line, num_devices=8).ops
     assert op.kind == "collective-permute" and op.wire_bytes == 1024 * 128
+
+
+def _loop(step: int, bound: int) -> tuple[str, list[str], list[str]]:
+    """A while loop as the TPU compiler prints a windowed einsum's: ``i < bound``, ``i += step``
+    (its scheduled HLO has no known_trip_count)."""
+    while_line = ("  %while.1 = (f32[8]{0}, u32[]{:T(128)}) while(%tuple.0), "
+                  "condition=%cond.1, body=%body.1")
+    condition = [
+        "  %param.c = (f32[8]{0}, u32[]{:T(128)}) parameter(0)",
+        f"  %constant.9 = u32[]{{:T(128)}} constant({bound})",
+        "  %get-tuple-element.3 = u32[]{:T(128)} get-tuple-element(%param.c), index=1",
+        "  ROOT %compare.1 = pred[]{:T(512)} compare(%get-tuple-element.3, %constant.9), "
+        "direction=LT",
+    ]
+    body = [
+        "  %param.b = (f32[8]{0}, u32[]{:T(128)}) parameter(0)",
+        "  %get-tuple-element.4 = f32[8]{0} get-tuple-element(%param.b), index=0",
+        "  %get-tuple-element.5 = u32[]{:T(128)} get-tuple-element(%param.b), index=1",
+        f"  %constant.2..sunk = u32[]{{:T(128)}} constant({step})",
+        "  %add.7 = u32[]{:T(128)S(6)} add(%get-tuple-element.5, %constant.2..sunk)",
+        "  ROOT %tuple.3 = (f32[8]{0}, u32[]{:T(128)}) tuple(%get-tuple-element.4, %add.7)",
+    ]
+    return while_line, condition, body
+
+
+@pytest.mark.parametrize("step,bound,trips", [(1, 8, 8), (2, 8, 4), (2, 7, 4), (3, 16, 6)])
+def test_loop_trips_follow_the_counters_step(step, bound, trips):
+    """The TPU compiler's bidirectional windowed einsums count ``i += 2`` up to the number of
+    chunks: 4 trips, not 8 (read as 8, a sharded 7B step's matmuls counted twice)."""
+    assert loop_trips(*_loop(step, bound)) == trips
+    assert loop_trips(*_loop(step, bound)[:2]) == bound  # without the body: a step of 1

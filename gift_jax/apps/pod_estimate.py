@@ -285,7 +285,9 @@ _COND = re.compile(r"\bcondition=(%[\w.\-]+)")
 def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]]) -> int:
     """A loop's trip count (:func:`gift_jax.comm.wire.loop_trips`)."""
     cond = _COND.search(ins.attrs)
-    return loop_trips(ins.line, [i.line for i in comps.get(cond.group(1), ())] if cond else [])
+    body = _BODY.search(ins.attrs)
+    return loop_trips(ins.line, [i.line for i in comps.get(cond.group(1), ())] if cond else [],
+                      [i.line for i in comps.get(body.group(1), ())] if body else [])
 
 
 def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:

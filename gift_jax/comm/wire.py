@@ -270,14 +270,18 @@ _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONSTANT = re.compile(r"constant\((\d+)\)")
 
 
-def loop_trips(while_line: str, condition: Sequence[str]) -> int:
+def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = ()) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where the backend config has it,
-    else the bound of its condition (``counter < N`` against one constant, a ``lax.scan``'s
-    form; the TPU compiler's scheduled HLO drops the annotation), else 1.
+    else from its condition ``counter < N`` (against one constant; the TPU compiler's
+    scheduled HLO drops the annotation) and the counter's step in ``body`` (its root tuple's
+    element at the counter's index is ``counter + k``): ``⌈N / k⌉``, counting from 0 as
+    ``lax.scan`` and the compiler's own loops do. The TPU compiler's windowed einsums step by
+    2 (two chunks per iteration); a step that cannot be read is 1. Else 1.
 
     Args:
       while_line: the ``while`` instruction's line.
       condition: the lines of its condition computation.
+      body: the lines of its body computation (``()``: a step of 1).
 
     Returns:
       The trip count.
@@ -286,8 +290,40 @@ def loop_trips(while_line: str, condition: Sequence[str]) -> int:
     if known:
         return int(known.group(1))
     bounds = [int(c.group(1)) for c in map(_CONSTANT.search, condition) if c]
-    compares = any(" compare(" in line and "direction=LT" in line for line in condition)
-    return bounds[0] if len(bounds) == 1 and compares else 1
+    compare = [line for line in condition if " compare(" in line and "direction=LT" in line]
+    if len(bounds) != 1 or not compare:
+        return 1
+    return -(-bounds[0] // _counter_step(condition, compare[0], body))
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\S.*?\s([\w\-]+)\((.*?)\)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _counter_step(condition: Sequence[str], compare: str, body: Sequence[str]) -> int:
+    """The step ``k`` of the loop counter that ``compare`` tests, read from ``body``'s root
+    tuple (``counter + k``, ``k`` a constant); 1 where that is not the form."""
+    cond_defs = {m.group(1): m for m in map(_DEF.match, condition) if m}
+    first = re.findall(r"%[\w.\-]+", compare.split(" compare(", 1)[1])[:1]
+    tested = cond_defs.get(first[0]) if first else None
+    if tested is None or tested.group(2) != "get-tuple-element":
+        return 1
+    index = _INDEX.search(tested.string)
+    defs = {m.group(1): m for m in map(_DEF.match, body) if m}
+    root = next((m for line in body if line.lstrip().startswith("ROOT")
+                 for m in [_DEF.match(line)] if m and m.group(2) == "tuple"), None)
+    if index is None or root is None:
+        return 1
+    elements = re.findall(r"%[\w.\-]+", root.group(3))
+    new = defs.get(elements[int(index.group(1))]) if int(index.group(1)) < len(elements) else None
+    if new is None or new.group(2) != "add":
+        return 1
+    operands = [defs.get(o) for o in re.findall(r"%[\w.\-]+", new.group(3))]
+    same = [d for d in operands if d is not None and d.group(2) == "get-tuple-element"
+            and (i := _INDEX.search(d.string)) and i.group(1) == index.group(1)]
+    steps = [int(c.group(1)) for d in operands if d is not None and d.group(2) == "constant"
+             for c in [_CONSTANT.search(d.string)] if c]
+    return steps[0] if len(same) == 1 and len(steps) == 1 and steps[0] > 0 else 1
 
 
 def executions(hlo_text: str) -> dict[str, int]:
@@ -322,7 +358,8 @@ def executions(hlo_text: str) -> dict[str, int]:
                      for m in _CALLED.finditer(line)}
             trips = 1
             if "body" in calls:
-                trips = loop_trips(line, bodies.get(calls.get("condition", [""])[0], ()))
+                trips = loop_trips(line, bodies.get(calls.get("condition", [""])[0], ()),
+                                   bodies.get(calls["body"][0], ()))
             for how, names in calls.items():
                 for callee in names:
                     visit(callee, n * (trips if how == "body" else 1), depth + 1)
