@@ -62,6 +62,10 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None,
                         help="directory for NAME.json and NAME.md (rows of the same topology, "
                         "mode, mesh, reduction and variant are replaced, others kept)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --topology: a TPU compiler option for every row, e.g. "
+                             "xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000 "
+                             "(repeatable; shown in the flags column)")
     parser.add_argument("--in_process", action="store_true",
                         help="with --topology: compile every (mesh, mode) in this process "
                              "instead of one child process each")
@@ -97,6 +101,30 @@ def _child_rows(argv, mesh: str, mode: str, flags: str) -> tuple[list[dict], str
     if proc.returncode < 0:
         reason = f"killed by signal {-proc.returncode} ({reason})"
     return rows, reason[:300]
+
+
+def compiler_options(pairs: list[str]) -> dict[str, bool | int | float | str]:
+    """``--option NAME=VALUE`` pairs as compiler options (``true``/``false``, ints and floats
+    parsed; anything else a string)."""
+    from gift_jax.training.config import ConfigError
+
+    out: dict[str, bool | int | float | str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--option {pair!r} must be NAME=VALUE")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+            continue
+        for kind in (int, float):
+            try:
+                out[name] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[name] = value
+    return out
 
 
 def intra_size(intra: str, data: int, slices: int) -> int:
@@ -159,6 +187,7 @@ def main(argv=None) -> int:
                   "temporaries and schedule are XLA:CPU's)", flush=True)
         config = load_config(args.config, configs)
         config = apply_overrides(config, [tuple(s.split("=", 1)) for s in args.set])
+        extra = compiler_options(args.option)
         modes = args.modes.split(",")
         unknown = [m for m in modes if m not in {**MODES, **XLA_MODES}]
         if unknown:
@@ -193,11 +222,14 @@ def main(argv=None) -> int:
                                       f"{'x'.join(map(str, mesh))}: {reason}")
                         print(f"error: {failed[-1]}", file=sys.stderr, flush=True)
                 else:
-                    options = overlap_flags(topology.generation) if flags == "maxtext" else None
+                    options = overlap_flags(topology.generation) if flags == "maxtext" else {}
+                    options.update(extra)
+                    label = "+".join(([flags] if flags == "maxtext" else [])
+                                     + [f"{k}={v}" for k, v in extra.items()]) or "-"
                     got = [r.row() for r in compile_mode(
                         config, mode, mesh, pod, refresh=args.refresh, topology=topology,
                         intra=intra_size(args.intra, mesh[0], args.slices),
-                        compiler_options=options)]
+                        compiler_options=options or None, flags_label=label)]
                 for row in got:
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -231,7 +231,8 @@ def test_compile_pod_script_topology(tmp_path, capsys):
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "compile_pod.py"
     proc = subprocess.run([sys.executable, str(script), "--config", "tiny", "--topology",
                            "v5p-16", "--mesh", "8,1,1", "--modes", "xla_bf16,fp8", "--set",
-                           "model.num_layers=1", "--out", str(tmp_path)],
+                           "model.num_layers=1", "--out", str(tmp_path), "--option",
+                           "xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     xla, row = json.loads((tmp_path / "tiny_v5p-16.json").read_text())
@@ -240,7 +241,8 @@ def test_compile_pod_script_topology(tmp_path, capsys):
     for r in (xla, row):  # the step-time model's columns (gift_jax.apps.pod_estimate)
         assert r["step_ms"] >= r["compute_ms"] > 0 and r["ici_ms"] > 0, r
         assert r["step_ms"] == pytest.approx(r["compute_ms"] + r["exposed_ms"], rel=1e-3)
-        assert 0 <= r["data_covered"] <= 1 and r["flags"] == "-"
+        assert 0 <= r["data_covered"] <= 1
+        assert r["flags"] == "xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000"
     # a real all-gather, not the u32 all-reduce a flat u8 wire buffer became: fp8 moves a
     # quarter of an fp32 reduction's bytes (0.375 before the wire buffers were lane-dense)
     assert row["vs_fp32_shard"] <= 0.26, row
@@ -259,7 +261,9 @@ def test_compile_pod_script_topology(tmp_path, capsys):
                            "train.global_batch_size=8 must be divisible"),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh=-1,16,2"),
                            "mesh 1x16x2 (data x fsdp x tensor) cannot be laid out on 2 slices "
-                           "of TPU v5 lite 4x4x1 (mesh.data=1 is not a multiple of the 2 slices)")]:
+                           "of TPU v5 lite 4x4x1 (mesh.data=1 is not a multiple of the 2 slices)"),
+                          (("--topology", "v5p-16", "--option", "windowed"),
+                           "--option 'windowed' must be NAME=VALUE")]:
         # in this process (nothing compiles): status 2 and the line, no exception escapes
         assert main(["--config", "tiny", *args]) == 2
         err = capsys.readouterr().err

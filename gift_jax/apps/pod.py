@@ -413,7 +413,8 @@ def xla_step(program: Program) -> jax.stages.Lowered:
 def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
                  devices: Sequence[jax.Device] | None = None, *,
                  refresh: bool = False, topology=None, intra: int = 1,
-                 compiler_options: dict[str, Any] | None = None) -> list[PodCompile]:
+                 compiler_options: dict[str, Any] | None = None,
+                 flags_label: str | None = None) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
 
@@ -431,6 +432,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         slice make only the quantized reduction cross the data-centre network).
       compiler_options: XLA/TPU compiler options of the step (e.g. :func:`overlap_flags`),
         or ``None``.
+      flags_label: the rows' ``flags`` column (default: ``maxtext`` with options, else ``-``).
 
     Returns:
       One :class:`PodCompile` per compiled variant, ordinary first (the schedule overlap
@@ -485,7 +487,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             dcn_bytes=dcn, ici_bytes=report.total if dcn else 0.0,
             overlap=schedule_overlap(text, mesh, data_axes(mesh)) if tpu else None,
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
-            flags="maxtext" if compiler_options else "-",
+            flags=flags_label or ("maxtext" if compiler_options else "-"),
             schedule="" if xla else _schedule(config.comm)))
     return out
 
