@@ -8,8 +8,14 @@ from codegen import SUITE_CODEGEN, xla_flags  # imports no JAX
 # The suite's code generation (tests/codegen.py): level 0, unless the user's XLA_FLAGS set it.
 _SUITE_FLAGS = "" if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else (
     xla_flags(SUITE_CODEGEN))
+# XLA:CPU aborts the process when a collective's participants do not all arrive within 40 s
+# (its default); 8 simulated devices on 2 busy cores, with a collective per layer inside the
+# backward loop, can take longer: 15 minutes, unless the user's XLA_FLAGS set it.
+_TIMEOUT_FLAGS = "" if "collective_call_terminate" in os.environ.get("XLA_FLAGS", "") else (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=900")
 os.environ["XLA_FLAGS"] = (
-    f'{os.environ.get("XLA_FLAGS", "")} {_SUITE_FLAGS} --xla_force_host_platform_device_count=8'
+    f'{os.environ.get("XLA_FLAGS", "")} {_SUITE_FLAGS} {_TIMEOUT_FLAGS} '
+    '--xla_force_host_platform_device_count=8'
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Source locations of one frame, not ten (the op names stay): every op's location travels
