@@ -43,12 +43,15 @@ def _programs(codec: str, scan: bool, accum: int, **extra):
 
 
 def _two_steps(step, params, opt_state):
-    params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+    """Two steps, each waited for: XLA:CPU can deadlock when the 8 simulated devices start
+    two programs with collectives in different orders (seen here: 7 devices waiting in an
+    all-reduce of one step while the 8th waits to launch it behind another program)."""
+    params, opt_state = jax.block_until_ready(jax.tree.map(jnp.copy, (params, opt_state)))
     for i in range(2):
         tokens = np.random.RandomState(i).randint(0, 256, (16, 17)).astype(np.int32)
-        params, opt_state, metrics = step(params, opt_state,
-                                          jax.device_put(tokens, step.batch_sharding),
-                                          step.refresh_due(i, opt_state))
+        params, opt_state, metrics = jax.block_until_ready(step(
+            params, opt_state, jax.device_put(tokens, step.batch_sharding),
+            step.refresh_due(i, opt_state)))
     return params, opt_state, metrics
 
 
