@@ -43,7 +43,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, loop_trips, parse_hlo
+from gift_jax.comm.wire import (
+    COLLECTIVE_KINDS,
+    INSTRUCTION,
+    array_bytes,
+    loop_trips,
+    parse_hlo,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +110,6 @@ def chip(generation: str, *, multislice: bool = False) -> Chip:
 
 # ---- the scheduled HLO ---------------------------------------------------------------------
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
-                    r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 _HEAD = re.compile(r"^(?:ENTRY\s+)?(?P<name>%[\w.\-]+)\s*(?P<sig>\(.*)\{\s*$")
 _CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computations)="
                     r"\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
@@ -150,7 +154,7 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
             if line.startswith("ENTRY"):
                 entry = name
             continue
-        m = _INSTR.match(line) if name is not None else None
+        m = INSTRUCTION.match(line) if name is not None else None
         if m:
             operands = tuple(re.findall(r"%[\w.\-]+", m.group("args")))
             out[name].append(Instr(m.group("name"), m.group("type"), m.group("op"), operands,

@@ -268,6 +268,10 @@ _CALLED = re.compile(r"\b(?P<how>calls|body|condition|to_apply|branch_computatio
                      r"called_computations)=\{?(?P<names>%?[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONSTANT = re.compile(r"constant\((\d+)\)")
+#: One instruction of printed HLO: its name, result type, opcode, operands and attributes
+#: (the trip counter here and :mod:`gift_jax.apps.pod_estimate`'s schedule replay read it).
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
+                         r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 
 
 def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = ()) -> int:
@@ -296,32 +300,31 @@ def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = 
     return -(-bounds[0] // _counter_step(condition, compare[0], body))
 
 
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*\S.*?\s([\w\-]+)\((.*?)\)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 
 
 def _counter_step(condition: Sequence[str], compare: str, body: Sequence[str]) -> int:
     """The step ``k`` of the loop counter that ``compare`` tests, read from ``body``'s root
     tuple (``counter + k``, ``k`` a constant); 1 where that is not the form."""
-    cond_defs = {m.group(1): m for m in map(_DEF.match, condition) if m}
+    cond_defs = {m["name"]: m for m in map(INSTRUCTION.match, condition) if m}
     first = re.findall(r"%[\w.\-]+", compare.split(" compare(", 1)[1])[:1]
     tested = cond_defs.get(first[0]) if first else None
-    if tested is None or tested.group(2) != "get-tuple-element":
+    if tested is None or tested["op"] != "get-tuple-element":
         return 1
     index = _INDEX.search(tested.string)
-    defs = {m.group(1): m for m in map(_DEF.match, body) if m}
+    defs = {m["name"]: m for m in map(INSTRUCTION.match, body) if m}
     root = next((m for line in body if line.lstrip().startswith("ROOT")
-                 for m in [_DEF.match(line)] if m and m.group(2) == "tuple"), None)
+                 for m in [INSTRUCTION.match(line)] if m and m["op"] == "tuple"), None)
     if index is None or root is None:
         return 1
-    elements = re.findall(r"%[\w.\-]+", root.group(3))
+    elements = re.findall(r"%[\w.\-]+", root["args"])
     new = defs.get(elements[int(index.group(1))]) if int(index.group(1)) < len(elements) else None
-    if new is None or new.group(2) != "add":
+    if new is None or new["op"] != "add":
         return 1
-    operands = [defs.get(o) for o in re.findall(r"%[\w.\-]+", new.group(3))]
-    same = [d for d in operands if d is not None and d.group(2) == "get-tuple-element"
+    operands = [defs.get(o) for o in re.findall(r"%[\w.\-]+", new["args"])]
+    same = [d for d in operands if d is not None and d["op"] == "get-tuple-element"
             and (i := _INDEX.search(d.string)) and i.group(1) == index.group(1)]
-    steps = [int(c.group(1)) for d in operands if d is not None and d.group(2) == "constant"
+    steps = [int(c.group(1)) for d in operands if d is not None and d["op"] == "constant"
              for c in [_CONSTANT.search(d.string)] if c]
     return steps[0] if len(same) == 1 and len(steps) == 1 and steps[0] > 0 else 1
 
