@@ -19,6 +19,8 @@ from trainer_kit import FAST, assert_trees_equal, small_config
 
 from gift_jax.comm.layer_groups import LayerGroups
 from gift_jax.comm.overlap import warn_if_one_bucket
+from gift_jax.comm.stage import allreduce
+from gift_jax.lowrank import scale_by_plumage
 from gift_jax.training import ConfigError, complete_config, make_mesh
 from gift_jax.training.config import validate_config
 from gift_jax.training.program import Program
@@ -68,9 +70,12 @@ def _two_steps(step, params, opt_state):
                             "comm.error_feedback": True, "comm.stochastic_rounding": True}),
     ("fp8_e4m3", False, 1, {"comm.method": "gift", "gift.refresh_every": 2,
                             "gift.route_frame": "adam", "gift.two_sided": True}),
+    ("fp8_e4m3", False, 2, {"comm.method": "plumage", "comm.error_feedback": True}),
+    ("fp8_e4m3", False, 1, {"comm.method": "plumage", "comm.stochastic_rounding": True}),
 ], ids=["fp8_sr_ef_unrolled", "fp8_sr_ef_scanned_accum", "nvfp4_hierarchical_scanned",
         "fp32_unrolled_accum", "int8_block_permute_scanned", "gift_ef_unrolled_accum",
-        "gift_sr_ef_unrolled", "gift_routed_two_sided_unrolled"])
+        "gift_sr_ef_unrolled", "gift_routed_two_sided_unrolled", "plumage_ef_unrolled_accum",
+        "plumage_sr_unrolled"])
 def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
     """Two steps (GIFT: a refresh step, which reduces after the backward, then an ordinary
     step with the new factors, reduced inside it)."""
@@ -86,12 +91,13 @@ def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum,
 @pytest.mark.parametrize("codec,accum,extra", [
     ("fp32", 1, {}),
     ("fp8_e4m3", 2, {"comm.method": "gift", "gift.refresh_every": 2}),
-], ids=["fp32_scanned", "gift_scanned_accum"])
+    ("fp8_e4m3", 1, {"comm.method": "plumage"}),
+], ids=["fp32_scanned", "gift_scanned_accum", "plumage_scanned"])
 def test_in_backward_step_agrees_to_rounding_where_not_bit_identical(codec, accum, extra):
-    """Scanned layers with the fp32 codec, or with GIFT: the two steps differ in the last bits
-    of some leaves (the CPU compiler rounds the two graphs' gradients differently; not yet
-    traced to one op; a stochastic rounding can then flip), never by more than fp32 rounding
-    here."""
+    """Scanned layers with the fp32 codec, or with GIFT or PLUMAGE (jax 0.12): the two steps
+    differ in the last bits of some leaves (the CPU compiler rounds the two graphs' gradients
+    differently; not yet traced to one op; a stochastic rounding can then flip), never by
+    more than fp32 rounding here."""
     program, after = _programs(codec, True, accum, **extra)
     params, opt_state = program.init()
     inside, outside = (_two_steps(s, params, opt_state)[0] for s in (program.step, after))
@@ -110,10 +116,12 @@ def _loop_bodies(hlo: str) -> list[str]:
     return out
 
 
-def test_scanned_layers_reduce_inside_the_backward_loop():
-    """In-backward: the u8 all-to-all of the layers' fp8 reduction sits in a loop body that also
-    runs the backward's matmuls; after the backward it sits in a loop of its own, without."""
-    program, after = _programs("fp8_e4m3", True, 1)
+@pytest.mark.parametrize("method", ["none", "plumage"])
+def test_scanned_layers_reduce_inside_the_backward_loop(method):
+    """In-backward: the u8 all-to-all of the layers' fp8 reduction (PLUMAGE: of their projected
+    coordinates) sits in a loop body that also runs the backward's matmuls; after the backward
+    it sits in a loop of its own, without."""
+    program, after = _programs("fp8_e4m3", True, 1, **{"comm.method": method})
 
     def where(step):
         bodies = _loop_bodies(step.compiled(False).as_text())
@@ -171,8 +179,8 @@ def test_bucket_over_the_model_warns_once(caplog):
     ({"comm.bucket_elems": 0}, r"comm.bucket_elems=0 must be an int >= 1"),
     ({"comm.reduce_in": "during"}, r"comm.reduce_in='during' is not supported; allowed: after, "
                                    r"backward"),
-    ({"comm.method": "plumage"}, r"comm.reduce_in='backward' is built for comm.method 'none' "
-                                 r"and 'gift'"),
+    ({"comm.method": "plumage", "plumage.gift": True},
+     r"comm.reduce_in='backward' with comm.method='plumage' needs plumage.gift=False"),
     ({"comm.method": "gift", "gift.refresh": "adaptive"}, r"needs gift.refresh='fixed'"),
     ({"mesh.fsdp": 2}, r"mesh.fsdp=1 and mesh.tensor=1, got 2 and 1"),
 ])
@@ -180,3 +188,17 @@ def test_settings_refuse_what_is_not_built(fields, match):
     config = complete_config(small_config("fp8", **{"comm.reduce_in": "backward", **fields}))
     with pytest.raises(ConfigError, match=match):
         validate_config(config, 8)
+
+
+def test_plumage_refuses_coordinates_from_the_backward_where_it_cannot_take_them():
+    """A refresh step reduces the full gradient after the backward; a resampling PLUMAGE may
+    redraw its projection inside the update, after the coordinates were taken."""
+    params = {"w": jnp.ones((16, 8))}
+    tx = scale_by_plumage(rank=2, communicate=allreduce("data"))
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="needs communicate=, plumage_refresh=False"):
+        tx.update(params, state, params, plumage_refresh=True,
+                  reduced_in_backward=state.comm_state)
+    tx = scale_by_plumage(rank=2, resample_every=3, communicate=allreduce("data"))
+    with pytest.raises(ValueError, match="resample_every redraws projections"):
+        tx.around(allreduce("data")).frame_in_backward(params, tx.init(params))

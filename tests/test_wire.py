@@ -166,3 +166,38 @@ def test_loop_trips_follow_the_counters_step(step, bound, trips):
     chunks: 4 trips, not 8 (read as 8, a sharded 7B step's matmuls counted twice)."""
     assert loop_trips(*_loop(step, bound)) == trips
     assert loop_trips(*_loop(step, bound)[:2]) == bound  # without the body: a step of 1
+
+
+@pytest.mark.parametrize("start,step,bound,trips", [(1, 1, 24, 23), (1, 2, 8, 4), (0, 1, 8, 8),
+                                                    (8, 1, 8, 0)])
+def test_loop_trips_count_from_the_counters_start(start, step, bound, trips):
+    """The TPU compiler peels a scanned backward's first iteration: its loop starts the counter
+    at 1 (a copy of a constant in the loop's initial tuple) and runs 23 of 24 layers."""
+    caller = [
+        "  %param.0 = f32[8]{0} parameter(0)",
+        f"  %constant.1 = u32[]{{:T(128)}} constant({start})",
+        "  %copy.1 = u32[]{:T(128)} copy(%constant.1)",
+        "  %tuple.0 = (f32[8]{0}, u32[]{:T(128)}) tuple(%param.0, %copy.1)",
+    ]
+    assert loop_trips(*_loop(step, bound), caller) == trips
+    assert loop_trips(*_loop(step, bound)) == -(-bound // step)  # without the caller: from 0
+
+
+def test_cross_slice_sends_count_once_per_loop_trip():
+    """A MegaScale send inside the scanned layers' backward loop moves its payload every
+    layer (read once, XLA's own 2-slice step showed a fifth of its cross-slice bytes)."""
+    from gift_jax.apps.pod import dcn_bytes
+
+    send = ('  %send.{n} = (bf16[1024]{{0}}, u32[], token[]) send(%x, %after-all), channel_id={n}, '
+            'frontend_attributes={{_xla_megascale_runtime="true"}}')
+    while_line, condition, body = _loop(1, 6)
+    module = "\n".join([
+        "%cond.1 (param.c: (f32[8], u32[])) -> pred[] {", *condition, "}",
+        "%body.1 (param.b: (f32[8], u32[])) -> (f32[8], u32[]) {", *body[:-1],
+        send.format(n=1), body[-1], "}",
+        "ENTRY %main.1 (param.0: f32[8]) -> f32[8] {",
+        "  %param.0 = f32[8]{0} parameter(0)",
+        "  %constant.1 = u32[]{:T(128)} constant(0)",
+        "  %tuple.0 = (f32[8]{0}, u32[]{:T(128)}) tuple(%param.0, %constant.1)",
+        while_line, send.format(n=2), "}"])
+    assert dcn_bytes(module) == (6 + 1) * 1024 * 2

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax
 from gift_jax.apps import pod_estimate
-from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes
+from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, computations, executions
 from gift_jax.models import count_params
 from gift_jax.training.config import (
     ConfigError,
@@ -125,21 +125,6 @@ _OP = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*.+?\s+(?P<op>[\w\-
 _COMPUTE = ("fusion", "convolution", "dot", "custom-call")
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    """The HLO module's computations, by name, as lists of instruction lines (in the
-    scheduled order of a compiled module)."""
-    out: dict[str, list[str]] = {}
-    name = None
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name = head.group(1)
-            out[name] = []
-        elif name is not None and line.startswith(" "):
-            out[name].append(line)
-    return out
-
-
 def _is_matmul(line: str, computations: dict[str, list[str]], depth: int = 3) -> bool:
     """A convolution/dot, or a fusion, call or loop (a scan over layers) whose computation
     holds one."""
@@ -152,7 +137,7 @@ def _is_matmul(line: str, computations: dict[str, list[str]], depth: int = 3) ->
         return False
     called = re.findall(r"(?:calls|body|to_apply|branch_computations)=\{?(%?[\w.\-]+)", line)
     return any(_is_matmul(x, computations, depth - 1)
-               for name in called for x in computations.get(name, ()))
+               for name in called for x in computations.get(name.lstrip("%"), ()))
 
 
 def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
@@ -171,7 +156,7 @@ def schedule_overlap(hlo_text: str, mesh, axes: Sequence[str]) -> Overlap:
     Returns:
       The :class:`Overlap` of that computation; all zeros when no collective spans ``axes``.
     """
-    comps = _computations(hlo_text)
+    comps, _ = computations(hlo_text)
     best = None
     for body in comps.values():
         ops = []
@@ -293,7 +278,8 @@ def dcn_bytes(hlo_text: str) -> float:
     """Bytes one device sends across slices per step: on a multi-slice TPU job the compiler
     splits each collective whose groups span slices into an ICI collective inside the slice
     and host-transfer ``send``/``recv`` pairs through the MegaScale runtime (the DCN); this
-    sums the ``send`` payloads.
+    sums the ``send`` payloads, each times the executions of its computation per step (a
+    send inside the scanned layers' backward loop runs once per layer).
 
     Args:
       hlo_text: the compiled module's text (``compiled.as_text()``).
@@ -301,12 +287,15 @@ def dcn_bytes(hlo_text: str) -> float:
     Returns:
       The summed payload bytes of the MegaScale ``send`` ops (0.0 on a single slice).
     """
+    comps, _ = computations(hlo_text)
+    runs = executions(hlo_text)
     total = 0.0
-    for line in hlo_text.splitlines():
-        m = _DCN_SEND.search(line)
-        if m:
-            arrays = array_bytes(m.group("type"))
-            total += arrays[0][1] if arrays else 0  # the payload (then a u32 and a token)
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _DCN_SEND.search(line)
+            if m:
+                arrays = array_bytes(m.group("type"))  # the payload, then a u32 and a token
+                total += (arrays[0][1] if arrays else 0) * runs.get(comp, 1)
     return total
 
 

@@ -50,6 +50,7 @@ from gift_jax.comm.wire import (
     loop_trips,
     parse_hlo,
 )
+from gift_jax.comm.wire import computations as wire_computations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,6 @@ def chip(generation: str, *, multislice: bool = False) -> Chip:
 
 # ---- the scheduled HLO ---------------------------------------------------------------------
 
-_HEAD = re.compile(r"^(?:ENTRY\s+)?(?P<name>%[\w.\-]+)\s*(?P<sig>\(.*)\{\s*$")
 _CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computations)="
                     r"\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)\}?")
 _BODY = re.compile(r"\bbody=(%[\w.\-]+)")
@@ -144,22 +144,12 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
     Returns:
       ``({name: [Instr, ...]}, entry name)``.
     """
-    out: dict[str, list[Instr]] = {}
-    name, entry = None, ""
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head and not line.startswith(" "):
-            name = head.group("name")
-            out[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-            continue
-        m = INSTRUCTION.match(line) if name is not None else None
-        if m:
-            operands = tuple(re.findall(r"%[\w.\-]+", m.group("args")))
-            out[name].append(Instr(m.group("name"), m.group("type"), m.group("op"), operands,
-                                   m.group("attrs"), line))
-    return out, entry
+    bodies, entry = wire_computations(hlo_text)
+    out = {f"%{name}": [Instr(m["name"], m["type"], m["op"],
+                              tuple(re.findall(r"%[\w.\-]+", m["args"])), m["attrs"], m.string)
+                        for m in map(INSTRUCTION.match, lines) if m]
+           for name, lines in bodies.items()}
+    return out, "" if entry is None else f"%{entry}"
 
 
 def _dims(type_str: str) -> list[int]:
@@ -286,12 +276,12 @@ class Replay:
 _COND = re.compile(r"\bcondition=(%[\w.\-]+)")
 
 
-def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]]) -> int:
-    """A loop's trip count (:func:`gift_jax.comm.wire.loop_trips`)."""
-    cond = _COND.search(ins.attrs)
-    body = _BODY.search(ins.attrs)
-    return loop_trips(ins.line, [i.line for i in comps.get(cond.group(1), ())] if cond else [],
-                      [i.line for i in comps.get(body.group(1), ())] if body else [])
+def _trip_count(ins: Instr, comps: Mapping[str, list[Instr]], caller: str) -> int:
+    """A loop's trip count (:func:`gift_jax.comm.wire.loop_trips`); ``caller``: the
+    computation holding it."""
+    lines = lambda m: [i.line for i in comps.get(m.group(1), ())] if m else []
+    return loop_trips(ins.line, lines(_COND.search(ins.attrs)), lines(_BODY.search(ins.attrs)),
+                      [i.line for i in comps.get(caller, ())])
 
 
 def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | None:
@@ -364,7 +354,7 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                     found[index] = dataclasses.replace(found[index], stall=finish - clock)
                     clock = finish
             elif ins.op == "while":
-                trips = _trip_count(ins, comps)
+                trips = _trip_count(ins, comps, comp)
                 body = _BODY.search(ins.attrs)
                 if body:
                     clock += trips * run(body.group(1), executions * trips)

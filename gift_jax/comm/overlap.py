@@ -26,7 +26,10 @@ A stage around the all-reduce that maps some leaves into another frame and back 
 whiten, reduce, unwhiten) reduces in the backward too: it declares the change of frame
 (:class:`Frame`, through a ``frame_in_backward`` method, :class:`AroundAllReduce`), and each
 hook maps its group's mean gradient into the frame, reduces it, and maps it back — the
-stage's own per-leaf maps, on the same values.
+stage's own per-leaf maps, on the same values. A frame may also keep the reduced gradient
+(PLUMAGE: the projected coordinates ``D⁻¹PᵀG``, of another shape than the parameter): each
+such leaf then has a zero input in the frame's shape, whose cotangent the hook sets to the
+reduced value, and the returned gradient holds it in place of the leaf's.
 
 Both forms call the same per-group functions (:func:`~gift_jax.comm.layer_groups.reduce_group`,
 :func:`~gift_jax.comm.layer_groups.reduce_layer`) on the same values, so the step is bit for
@@ -98,16 +101,26 @@ class Frame:
     Attributes:
       enter: ``(leaf index, gradient, data, one_layer) → gradient in the frame``;
         ``one_layer``: the gradient is one layer's slice of a stacked leaf, and ``data`` that
-        layer's slice of the leaf's data.
-      leave: ``(leaf index, reduced gradient, data, one_layer) → gradient``.
+        layer's slice of the leaf's data. The all-reduce groups the leaves by their shapes in
+        the frame (``enter`` of each whole leaf, traced with ``jax.eval_shape``).
+      leave: ``(leaf index, reduced gradient, data, one_layer) → gradient``; ``None``: the
+        reduced gradient stays in the frame (it is returned in place of the leaf's gradient,
+        in the frame's shape).
       data: ``{leaf index: pytree of arrays}`` of the mapped leaves (indices into the
         flattened parameters); each array's leading axis lists the leaf's matrices, a stacked
         leaf's layers outermost (layer ``l``'s slice is ``x.reshape(layers, -1, ...)[l]``).
     """
 
     enter: Callable[[int, jax.Array, Any, bool], jax.Array]
-    leave: Callable[[int, jax.Array, Any, bool], jax.Array]
+    leave: Callable[[int, jax.Array, Any, bool], jax.Array] | None
     data: dict[int, Any]
+
+    def shapes(self, leaves: list) -> list:
+        """What the all-reduce sees of ``leaves`` (the flattened parameters): each mapped
+        leaf's shape in the frame (a ``jax.ShapeDtypeStruct``), the others as they are."""
+        return [x if i not in self.data else jax.eval_shape(
+            lambda v, d, i=i: self.enter(i, v, d, False), x, self.data[i])
+            for i, x in enumerate(leaves)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +153,20 @@ def _reducer(reduce: Callable, spec, accum_steps: int, maps: tuple, idx: tuple[i
              one_layer: bool, cotangents, inputs):
     """A hook's backward rule: ``reduce`` (:func:`reduce_group` or :func:`reduce_layer`) of
     the step's mean gradient, inside the frame ``maps = (enter, leave)`` (or ``(None,
-    None)``); the new buffers are the cotangent of the buffers' input."""
-    key, acc, residuals, data = inputs
+    None)``); the new buffers are the cotangent of the buffers' input. Leaves whose reduced
+    gradient stays in the frame (a slot, the zero input in the frame's shape, instead of
+    ``None``) return it as the slot's cotangent, and zero as the leaf's."""
+    key, acc, residuals, data, slots = inputs
     enter, leave = maps
     sent = _mapped(enter, idx, _total(cotangents, acc, accum_steps), data, one_layer)
     out, new = reduce(sent, spec, key, residuals)
-    return _mapped(leave, idx, out, data, one_layer), (None, None, new, None)
+    back = _mapped(leave, idx, out, data, one_layer)
+    if slots is None:
+        return back, (None, None, new, None, None)
+    kept = [None if slot is None else o for o, slot in zip(out, slots, strict=True)]
+    back = [b if slot is None else jax.numpy.zeros_like(c)
+            for b, c, slot in zip(back, cotangents, slots, strict=True)]
+    return back, (None, None, new, None, kept)
 
 
 def _pick(leaves: list | None, idx: tuple[int, ...]) -> list | None:
@@ -161,6 +182,13 @@ def _frame_data(frame: Frame | None, idx: tuple[int, ...], num_layers: int = 0
     split = lambda d: jax.tree.map(lambda x: x.reshape((num_layers, -1) + x.shape[1:]), d)
     return [None if i not in frame.data else split(frame.data[i]) if num_layers
             else frame.data[i] for i in idx]
+
+
+def _slots(frame: Frame | None, seen: list) -> dict[int, jax.Array]:
+    """Zero inputs in the frame's shape of the leaves whose reduced gradient stays there."""
+    if frame is None or frame.leave is not None:
+        return {}
+    return {i: jax.numpy.zeros(seen[i].shape, seen[i].dtype) for i in frame.data}
 
 
 def _layer_hook(spec, accum_steps: int, paths: list[str], maps: tuple,
@@ -201,7 +229,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
 
     Returns:
       ``(loss, reduced gradient, new stage state)``: what ``stage.update`` of the mean
-      gradient would return, bit for bit.
+      gradient would return, bit for bit; a leaf whose reduced gradient stays in the frame
+      (``Frame.leave`` is ``None``) holds it in the frame's shape.
 
     Raises:
       ValueError: ``stage`` is not a grouped all-reduce on whole leaves, nor around one.
@@ -216,21 +245,27 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         raise ValueError("reducing in the backward needs whole leaves per replica "
                          "(an allreduce stage without shards)")
     spec, groups = stage.spec, stage.groups
-    plan: GroupPlan = groups.plan(params, spec.bucket_elems)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    seen = [x for _, x in flat] if frame is None else frame.shapes([x for _, x in flat])
+    plan: GroupPlan = groups.plan(jax.tree_util.tree_unflatten(treedef, seen),
+                                  spec.bucket_elems)
     key, sub = step_keys(around.state)
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
     maps = (None, None) if frame is None else (frame.enter, frame.leave)
+    slots = _slots(frame, seen)
 
-    def loss_of(p, residuals):
-        leaves, treedef = jax.tree_util.tree_flatten(p)
+    def slots_of(held: dict, idx: tuple[int, ...]) -> list | None:
+        return [held.get(i) for i in idx] if slots else None
+
+    def loss_of(p, residuals, held):
+        leaves = jax.tree_util.tree_leaves(p)
         acc_leaves = None if acc is None else jax.tree_util.tree_leaves(acc)
-        loose_res, layer_res = split_residuals(residuals, leaves, spec, plan)
+        loose_res, layer_res = split_residuals(residuals, seen, spec, plan)
         hooked = list(leaves)
         for g, idx in enumerate(plan.loose):
             inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g],
-                      _frame_data(frame, idx))
+                      _frame_data(frame, idx), slots_of(held, idx))
             out = _reduced_on_the_way_back(
                 functools.partial(_reducer, reduce_group, spec, accum_steps, maps, idx, False),
                 _pick(leaves, idx), inputs)
@@ -240,13 +275,18 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         if not plan.stacked:
             return loss_fn(model_params)
         per_layer = (layer_keys(sub, plan), _pick(acc_leaves, plan.stacked), layer_res,
-                     _frame_data(frame, plan.stacked, plan.num_layers))
+                     _frame_data(frame, plan.stacked, plan.num_layers),
+                     slots_of(held, plan.stacked))
         with block_hook(_layer_hook(spec, accum_steps, layer_paths, maps, plan.stacked),
                         per_layer):
             return loss_fn(model_params)
 
-    loss, (grads, residuals) = jax.value_and_grad(loss_of, argnums=(0, 1))(
-        params, around.state.residuals)
+    loss, (grads, residuals, kept) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(
+        params, around.state.residuals, slots)
+    if kept:
+        leaves = jax.tree_util.tree_leaves(grads)
+        grads = jax.tree_util.tree_unflatten(
+            treedef, [kept.get(i, x) for i, x in enumerate(leaves)])
     return loss, grads, around.finish(AllReduceState(key, residuals))
 
 

@@ -223,13 +223,9 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
 
         num_devices = jax.device_count()
     ops = []
+    comps, _ = computations(hlo_text)
     runs = executions(hlo_text)
-    comp = None
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            comp = head.group("name")
-            continue
+    for comp, line in ((c, x) for c, lines in comps.items() for x in lines):
         m = _LINE.match(line)
         if not m:
             continue
@@ -274,18 +270,22 @@ INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(?P<name>%[\w.\-]+)\s*=\s*(?P<type>.+
                          r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 
 
-def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = ()) -> int:
+def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = (),
+               caller: Sequence[str] = ()) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where the backend config has it,
     else from its condition ``counter < N`` (against one constant; the TPU compiler's
-    scheduled HLO drops the annotation) and the counter's step in ``body`` (its root tuple's
-    element at the counter's index is ``counter + k``): ``⌈N / k⌉``, counting from 0 as
-    ``lax.scan`` and the compiler's own loops do. The TPU compiler's windowed einsums step by
-    2 (two chunks per iteration); a step that cannot be read is 1. Else 1.
+    scheduled HLO drops the annotation), the counter's step in ``body`` (its root tuple's
+    element at the counter's index is ``counter + k``) and its start in ``caller`` (the
+    loop's initial tuple holds a constant ``s`` there, or a copy of one):
+    ``⌈(N − s) / k⌉``. The TPU compiler's windowed einsums step by 2 (two chunks per
+    iteration); a loop whose first iteration the compiler peeled starts at 1. A step that
+    cannot be read is 1, a start 0 (``lax.scan``'s). Else 1.
 
     Args:
       while_line: the ``while`` instruction's line.
       condition: the lines of its condition computation.
       body: the lines of its body computation (``()``: a step of 1).
+      caller: the lines of the computation holding the loop (``()``: a start of 0).
 
     Returns:
       The trip count.
@@ -297,36 +297,93 @@ def loop_trips(while_line: str, condition: Sequence[str], body: Sequence[str] = 
     compare = [line for line in condition if " compare(" in line and "direction=LT" in line]
     if len(bounds) != 1 or not compare:
         return 1
-    return -(-bounds[0] // _counter_step(condition, compare[0], body))
+    index = _counter_index(condition, compare[0])
+    start = _counter_start(while_line, index, caller)
+    return max(0, -(-(bounds[0] - start) // _counter_step(index, body)))
 
 
 _INDEX = re.compile(r"\bindex=(\d+)")
 
 
-def _counter_step(condition: Sequence[str], compare: str, body: Sequence[str]) -> int:
-    """The step ``k`` of the loop counter that ``compare`` tests, read from ``body``'s root
-    tuple (``counter + k``, ``k`` a constant); 1 where that is not the form."""
+def _counter_index(condition: Sequence[str], compare: str) -> int | None:
+    """The tuple index of the loop counter that ``compare`` tests (a ``get-tuple-element`` of
+    the condition's parameter); ``None`` where that is not the form."""
     cond_defs = {m["name"]: m for m in map(INSTRUCTION.match, condition) if m}
     first = re.findall(r"%[\w.\-]+", compare.split(" compare(", 1)[1])[:1]
     tested = cond_defs.get(first[0]) if first else None
     if tested is None or tested["op"] != "get-tuple-element":
-        return 1
+        return None
     index = _INDEX.search(tested.string)
-    defs = {m["name"]: m for m in map(INSTRUCTION.match, body) if m}
+    return None if index is None else int(index.group(1))
+
+
+def _tuple_element(tuple_ins: re.Match | None, index: int | None,
+                   defs: dict[str, re.Match]) -> re.Match | None:
+    """The instruction defining element ``index`` of a ``tuple`` instruction, or ``None``."""
+    if tuple_ins is None or tuple_ins["op"] != "tuple" or index is None:
+        return None
+    elements = re.findall(r"%[\w.\-]+", tuple_ins["args"])
+    return defs.get(elements[index]) if index < len(elements) else None
+
+
+def _defs(lines: Sequence[str]) -> dict[str, re.Match]:
+    return {m["name"]: m for m in map(INSTRUCTION.match, lines) if m}
+
+
+def _counter_step(index: int | None, body: Sequence[str]) -> int:
+    """The step ``k`` of the loop counter at tuple ``index``, read from ``body``'s root tuple
+    (``counter + k``, ``k`` a constant); 1 where that is not the form."""
+    defs = _defs(body)
     root = next((m for line in body if line.lstrip().startswith("ROOT")
                  for m in [INSTRUCTION.match(line)] if m and m["op"] == "tuple"), None)
-    if index is None or root is None:
-        return 1
-    elements = re.findall(r"%[\w.\-]+", root["args"])
-    new = defs.get(elements[int(index.group(1))]) if int(index.group(1)) < len(elements) else None
+    new = _tuple_element(root, index, defs)
     if new is None or new["op"] != "add":
         return 1
     operands = [defs.get(o) for o in re.findall(r"%[\w.\-]+", new["args"])]
     same = [d for d in operands if d is not None and d["op"] == "get-tuple-element"
-            and (i := _INDEX.search(d.string)) and i.group(1) == index.group(1)]
+            and (i := _INDEX.search(d.string)) and int(i.group(1)) == index]
     steps = [int(c.group(1)) for d in operands if d is not None and d["op"] == "constant"
              for c in [_CONSTANT.search(d.string)] if c]
     return steps[0] if len(same) == 1 and len(steps) == 1 and steps[0] > 0 else 1
+
+
+def _counter_start(while_line: str, index: int | None, caller: Sequence[str]) -> int:
+    """The loop counter's initial value: element ``index`` of the loop's initial tuple in
+    ``caller``, a constant or a copy of one; 0 where that is not the form."""
+    loop = INSTRUCTION.match(while_line)
+    if loop is None:
+        return 0
+    defs = _defs(caller)
+    node = _tuple_element(defs.get(loop["args"].strip()), index, defs)
+    while node is not None and node["op"] == "copy":
+        node = defs.get(node["args"].strip())
+    value = _CONSTANT.search(node.string) if node is not None and node["op"] == "constant" \
+        else None
+    return int(value.group(1)) if value else 0
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The module's computations (in the module's order, a compiled module's schedule) and
+    its entry.
+
+    Args:
+      hlo_text: the text of an HLO module.
+
+    Returns:
+      ``({computation name without '%': its instruction lines}, the entry's name)``; lines
+      before the first computation (a fragment of one) under the name ``""``.
+    """
+    bodies: dict[str, list[str]] = {}
+    entry, name = None, ""
+    for line in hlo_text.splitlines():
+        head = _HEAD.match(line)
+        if head:
+            name = head.group("name")
+            bodies[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        else:
+            bodies.setdefault(name, []).append(line)
+    return bodies, entry
 
 
 def executions(hlo_text: str) -> dict[str, int]:
@@ -340,16 +397,7 @@ def executions(hlo_text: str) -> dict[str, int]:
     Returns:
       ``{computation name: executions}`` (the entry: 1; computations never called: absent).
     """
-    bodies: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo_text.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            name = head.group("name")
-            bodies[name] = []
-            entry = name if line.startswith("ENTRY") else entry
-        elif name is not None:
-            bodies[name].append(line)
+    bodies, entry = computations(hlo_text)
     counts: dict[str, int] = {}
 
     def visit(comp: str, n: int, depth: int = 0) -> None:
@@ -362,7 +410,7 @@ def executions(hlo_text: str) -> dict[str, int]:
             trips = 1
             if "body" in calls:
                 trips = loop_trips(line, bodies.get(calls.get("condition", [""])[0], ()),
-                                   bodies.get(calls["body"][0], ()))
+                                   bodies.get(calls["body"][0], ()), bodies.get(comp, ()))
             for how, names in calls.items():
                 for callee in names:
                     visit(callee, n * (trips if how == "body" else 1), depth + 1)

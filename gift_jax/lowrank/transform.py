@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gift_jax.comm.overlap import AroundAllReduce, Frame
 from gift_jax.comm.stage import allreduce_axis, reset_error_feedback
 from gift_jax.lowrank import estimator
 from gift_jax.lowrank.views import LeafLayout, resolve_layouts
@@ -37,6 +38,8 @@ __all__ = [
     "AdaptiveRefresh",
     "LeafState",
     "PlumageState",
+    "PlumageTransformation",
+    "ProjectionAroundAllReduce",
     "find_plumage_state",
     "plumage",
     "refresh_due",
@@ -485,8 +488,13 @@ def coordinates(s: Settings, g: jax.Array, lay: LeafLayout | None, leaf: LeafSta
     """
     if lay is None:
         return g
-    r = jnp.einsum("bmk,bmn->bkn", leaf.projector, lay.to_matrix(g).astype(jnp.float32))
-    return r / leaf.probs[..., None] if s.scale_before else r
+    return _project(s, g, lay, leaf.projector, leaf.probs)
+
+
+def _project(s: Settings, g: jax.Array, lay: LeafLayout, projector: jax.Array,
+             probs: jax.Array) -> jax.Array:
+    r = jnp.einsum("bmk,bmn->bkn", projector, lay.to_matrix(g).astype(jnp.float32))
+    return r / probs[..., None] if s.scale_before else r
 
 
 def adam_step(s: Settings, r: jax.Array, lay: LeafLayout | None, leaf: LeafState,
@@ -658,6 +666,106 @@ def _refresh_whitening(s: Settings, comm_state: Any, state: PlumageState, update
     return comm_state
 
 
+# ------------------------------------------------------ reducing inside the backward pass
+
+
+def frame_in_backward(s: Settings, reduce_stage: optax.GradientTransformation, params: Any,
+                      state: PlumageState) -> AroundAllReduce:
+    """An ordinary step's projection as a frame around the all-reduce, for reducing inside
+    the backward pass (:func:`gift_jax.comm.overlap.loss_and_reduced_grads`): each group's
+    hook projects its projected leaves' mean gradient to their coordinates ``R = D⁻¹PᵀG``
+    (:func:`coordinates`, with the projections before the step), reduces them with the
+    group's other (dense) leaves, and returns them as those leaves' gradients, in
+    ``communicate``'s coordinate shapes. ``update`` then takes them with
+    ``reduced_in_backward=`` (the all-reduce's new state) — the ordinary step, bit for bit.
+
+    Args:
+      s: the transformation's settings.
+      reduce_stage: the grouped :func:`gift_jax.allreduce` first in ``communicate``, wrapped
+        by :func:`gift_jax.comm.overlap.reducible_in_backward`.
+      params: the per-device parameters.
+      state: the :class:`PlumageState` before the step.
+
+    Returns:
+      The :class:`~gift_jax.comm.overlap.AroundAllReduce` (its ``finish`` is the identity:
+      the all-reduce's new state is what ``update`` takes).
+
+    Raises:
+      ValueError: ``resample_every`` is set (a step may redraw the projection before its
+        coordinates are taken), or ``communicate`` whitens the coordinates (GIFT).
+    """
+    if s.resample_every is not None:
+        raise ValueError("scale_by_plumage: resample_every redraws projections inside the "
+                         "update, after the backward pass; reduce after it")
+    if _whitened_layers(state.comm_state):
+        raise ValueError("scale_by_plumage: a GIFT stage in communicate whitens the "
+                         "coordinates after the backward pass; reduce after it")
+    flat, treedef = jax.tree.flatten(params)
+    lays = treedef.flatten_up_to(s.layouts(params))
+    leaves = treedef.flatten_up_to(state.leaves)
+
+    def enter(i, g, data, one_layer):
+        lay = lays[i].layer_slice() if one_layer else lays[i]
+        return _project(s, g, lay, *data).reshape(lay.coord_shape)
+
+    data = {i: (leaf.projector, leaf.probs)
+            for i, (lay, leaf) in enumerate(zip(lays, leaves, strict=True)) if lay is not None}
+    inner = optax.tree.get(state.comm_state, "AllReduceState")
+    return AroundAllReduce(reduce_stage, inner, Frame(enter, None, data), lambda new: new)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionAroundAllReduce:
+    """PLUMAGE's projection around its all-reduce, as the in-backward reduction reads it
+    (:func:`gift_jax.comm.overlap.loss_and_reduced_grads` with the step's
+    :class:`PlumageState`).
+
+    Attributes:
+      settings: the PLUMAGE transformation's settings.
+      reduce_stage: its grouped all-reduce (first in ``communicate``).
+    """
+
+    settings: Settings
+    reduce_stage: optax.GradientTransformation
+
+    def frame_in_backward(self, params: Any, state: PlumageState) -> AroundAllReduce:
+        """:func:`frame_in_backward` of these settings and stage.
+
+        Args:
+          params: the per-device parameters.
+          state: the :class:`PlumageState` before the step.
+
+        Returns:
+          The :class:`~gift_jax.comm.overlap.AroundAllReduce` of an ordinary step.
+        """
+        return frame_in_backward(self.settings, self.reduce_stage, params, state)
+
+
+class PlumageTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`scale_by_plumage` and :func:`plumage` return: optax's ``(init, update)``
+    pair, with the PLUMAGE stage's :class:`Settings` (the in-backward reduction reads them,
+    :meth:`around`)."""
+
+    settings: Settings
+
+    def __new__(cls, init, update, settings: Settings):
+        self = super().__new__(cls, init, update)
+        self.settings = settings
+        return self
+
+    def around(self, reduce_stage: optax.GradientTransformation) -> ProjectionAroundAllReduce:
+        """This transformation's projection around ``reduce_stage``, its grouped all-reduce.
+
+        Args:
+          reduce_stage: the :func:`gift_jax.allreduce` (``groups`` set) first in
+            ``communicate``.
+
+        Returns:
+          The :class:`ProjectionAroundAllReduce`.
+        """
+        return ProjectionAroundAllReduce(self.settings, reduce_stage)
+
+
 # ------------------------------------------------------------------------ the transformation
 
 
@@ -675,6 +783,16 @@ def _static_refresh(s: Settings, extra_args: dict) -> bool | None:
             "cannot live in lax.cond branches (use refresh_due(state) on the host)"
         )
     return refresh_now
+
+
+def _check_reduced_in_backward(s: Settings, refresh_now: bool | None, params: Any) -> None:
+    """``update(..., reduced_in_backward=...)`` takes coordinates reduced in the backward pass
+    (:func:`frame_in_backward`): only on ordinary steps, with ``communicate`` and ``params``."""
+    if s.comm is None or refresh_now is not False or params is None:
+        raise ValueError(
+            "scale_by_plumage: reduced_in_backward= (coordinates reduced inside the backward "
+            "pass) needs communicate=, plumage_refresh=False (refresh steps reduce the full "
+            "gradient after the backward) and params")
 
 
 def _is_due(state: PlumageState) -> jax.Array:
@@ -737,7 +855,11 @@ def scale_by_plumage(
       communicate: optional cross-replica reduction stage for the ``(k, N)`` coordinates and
         dense leaves (inside ``shard_map``); needs the static ``plumage_refresh=True/False``
         keyword in ``update`` (decide with :func:`refresh_due`). Other extra keyword args
-        (except ``gift_stats``) are passed to it.
+        (except ``gift_stats``) are passed to it. On an ordinary step whose coordinates
+        were reduced inside the backward pass (:meth:`PlumageTransformation.around`,
+        :func:`gift_jax.comm.overlap.loss_and_reduced_grads`), ``update`` takes them as
+        ``updates`` (in ``communicate``'s shapes) with ``reduced_in_backward=`` the
+        all-reduce's new state and ``params``.
       axis_name: the data-parallel axis (or tuple) over which refresh SVDs are spread;
         ``None``: that of the refresh stage when it is a :func:`gift_jax.allreduce`.
       communicate_refresh: the stage that reduces the full gradient on refresh steps
@@ -745,7 +867,7 @@ def scale_by_plumage(
       distribute_refresh: ``False``: every replica computes every SVD.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`PlumageState`.
+      A :class:`PlumageTransformation` whose state is a :class:`PlumageState`.
 
     Raises:
       ValueError: an invalid setting (see :meth:`Settings.build`).
@@ -780,11 +902,14 @@ def scale_by_plumage(
                             refresh_comm_state=refresh_comm_state, **counters)
 
     def update_fn(updates, state: PlumageState, params=None, **extra_args):
-        if s.comm is not None:
+        given = extra_args.get("reduced_in_backward") is not None  # updates: coordinates
+        if s.comm is not None and not given:
             require_per_device(updates, s.comm_axis, "gift_jax.plumage")
         refresh_now = _static_refresh(s, extra_args)
+        if given:
+            _check_reduced_in_backward(s, refresh_now, params)
         gift_stats = _pop_gift_stats(s, state.comm_state, refresh_now, extra_args)
-        layouts = s.layouts(updates)
+        layouts = s.layouts(params if given else updates)
         comm_state, refresh_comm_state = state.comm_state, state.refresh_comm_state
         core = state._replace(comm_state=None, refresh_comm_state=None)  # lax.cond operand
         grads, reduced, refreshed = updates, False, bool(refresh_now)
@@ -813,20 +938,22 @@ def scale_by_plumage(
         flat, treedef = jax.tree.flatten(grads)
         lays = treedef.flatten_up_to(layouts)
         leaves = treedef.flatten_up_to(core.leaves)
-        coords = [coordinates(s, *a) for a in zip(flat, lays, leaves, strict=True)]
+        coords = flat if given else [coordinates(s, *a)
+                                     for a in zip(flat, lays, leaves, strict=True)]
         if s.comm is not None and not reduced:
             coords, comm_state = _communicate(s, coords, lays, treedef, comm_state, extra_args)
         count = optax.safe_int32_increment(state.count)
         bc1 = 1.0 - jnp.asarray(s.b1, jnp.float32) ** count
         bc2 = 1.0 - jnp.asarray(s.b2, jnp.float32) ** count
         steps = [adam_step(s, *a, bc1, bc2) for a in zip(coords, lays, leaves, strict=True)]
-        out = [u.astype(g.dtype) for (u, _), g in zip(steps, flat, strict=True)]
+        dtypes = [jnp.result_type(x) for x in jax.tree.leaves(params if given else grads)]
+        out = [u.astype(d) for (u, _), d in zip(steps, dtypes, strict=True)]
         new_leaves = jax.tree.unflatten(treedef, [leaf for _, leaf in steps])
         return jax.tree.unflatten(treedef, out), core._replace(
             count=count, leaves=new_leaves, last_refresh=last_refresh, comm_state=comm_state,
             refresh_comm_state=refresh_comm_state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return PlumageTransformation(init_fn, update_fn, s)
 
 
 def plumage(
@@ -876,38 +1003,37 @@ def plumage(
         ``communicate_refresh``, ``axis_name`` and ``distribute_refresh``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``: the chain :func:`scale_by_plumage`,
+      A :class:`PlumageTransformation`: the chain :func:`scale_by_plumage`,
       ``optax.add_decayed_weights``, ``optax.scale_by_learning_rate`` (its state holds the
       :class:`PlumageState`, see :func:`find_plumage_state`).
 
     Raises:
       ValueError, TypeError: as :func:`scale_by_plumage`.
     """
-    return optax.chain(
-        scale_by_plumage(
-            rank,
-            refresh_every,
-            strategy=strategy,
-            resample_every=resample_every,
-            realign=realign,
-            unbiased_scaling=unbiased_scaling,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            eps_root=eps_root,
-            scale=scale,
-            seed=seed,
-            weight_dimension_numbers=weight_dimension_numbers,
-            mask=mask,
-            adaptive_refresh=adaptive_refresh,
-            communicate=communicate,
-            axis_name=axis_name,
-            communicate_refresh=communicate_refresh,
-            distribute_refresh=distribute_refresh,
-        ),
-        optax.add_decayed_weights(weight_decay, weight_decay_mask),
-        optax.scale_by_learning_rate(learning_rate),
+    core = scale_by_plumage(
+        rank,
+        refresh_every,
+        strategy=strategy,
+        resample_every=resample_every,
+        realign=realign,
+        unbiased_scaling=unbiased_scaling,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        eps_root=eps_root,
+        scale=scale,
+        seed=seed,
+        weight_dimension_numbers=weight_dimension_numbers,
+        mask=mask,
+        adaptive_refresh=adaptive_refresh,
+        communicate=communicate,
+        axis_name=axis_name,
+        communicate_refresh=communicate_refresh,
+        distribute_refresh=distribute_refresh,
     )
+    chain = optax.chain(core, optax.add_decayed_weights(weight_decay, weight_decay_mask),
+                        optax.scale_by_learning_rate(learning_rate))
+    return PlumageTransformation(chain.init, chain.update, core.settings)
 
 
 def find_plumage_state(opt_state: Any) -> PlumageState:

@@ -88,6 +88,18 @@ class LeafLayout:
     def projector_shape(self) -> tuple[int, int, int]:
         return (self.batch, self.m, self.rank)
 
+    def layer_slice(self) -> LeafLayout:
+        """The layout of one slice ``x[l]`` of a leaf stacked over scanned layers (its first
+        axis, a batch axis, dropped; the same rank and projected side).
+
+        Returns:
+          The slice's :class:`LeafLayout`.
+
+        Raises:
+          ValueError: the leaf's first axis is not a batch axis.
+        """
+        return LeafLayout(self.view.layer_slice(), self.rank, self.side)
+
     def to_matrix(self, x: jax.Array) -> jax.Array:
         """Leaf → oriented ``(batch, M, N)``.
 

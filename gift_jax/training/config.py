@@ -607,17 +607,17 @@ REDUCE_IN = ("after", "backward")
 
 def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
     """``comm.reduce_in`` and ``comm.bucket_elems``: a known value, a positive bucket size, and
-    the in-backward reduction only where it is built (the all-reduce stage alone or GIFT on the
-    fixed refresh clock, whole leaves per replica)."""
+    the in-backward reduction only where it is built (the all-reduce stage alone, GIFT on the
+    fixed refresh clock, PLUMAGE without ``plumage.gift``; whole leaves per replica)."""
     _choice(config, "comm.reduce_in", REDUCE_IN)
     _choice(config, "comm.exchange", EXCHANGES)
     _positive_int(config, "comm.bucket_elems")
     if config.comm.reduce_in != "backward":
         return
-    if config.comm.method not in ("none", "gift"):
+    if config.comm.method == "plumage" and config.plumage.get("gift", False) is True:
         raise ConfigError(
-            f"comm.reduce_in='backward' is built for comm.method 'none' and 'gift' (any "
-            f"comm.codec); comm.method={config.comm.method!r} reduces after the backward: set "
+            "comm.reduce_in='backward' with comm.method='plumage' needs plumage.gift=False "
+            "(GIFT whitens PLUMAGE's coordinates after the backward); or set "
             "comm.reduce_in='after'")
     if config.comm.method == "gift" and config.gift.get("refresh", "fixed") != "fixed":
         raise ConfigError(

@@ -215,6 +215,23 @@ class CommPlan:
         stage = recipe.comm.allreduce(axes, self.shards)
         return self._dense_chain(recipe, stage, schedule), stage
 
+    def backward_stage(self, chain: optax.GradientTransformation,
+                       stage: optax.GradientTransformation) -> Any:
+        """What the in-backward reduction runs
+        (:func:`gift_jax.comm.overlap.loss_and_reduced_grads`), on the state named
+        :attr:`stage_state`: the communication stage itself (GIFT's stage declares its frame
+        itself).
+
+        Args:
+          chain: the chain :meth:`build` returned.
+          stage: the stage :meth:`build` returned.
+
+        Returns:
+          ``stage``.
+        """
+        del chain
+        return stage
+
     def _dense_chain(self, recipe: Any, stage, schedule) -> optax.GradientTransformation:
         opt = recipe.optimizer
         rule = optim.dense_optimizer(opt, schedule, recipe.comm.stacked_layers) if (
@@ -352,6 +369,7 @@ class PlumagePlan(CommPlan):
     ``gift.layers`` for GIFT's projected factors."""
 
     name = "plumage"
+    stage_state = "PlumageState"
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
         """Whether PLUMAGE's state says a refresh is due (:func:`gift_jax.lowrank.refresh_due`:
@@ -397,6 +415,20 @@ class PlumagePlan(CommPlan):
         found = _grad_norm_state(state.refresh_comm_state) if refresh else None
         return (_grad_norm_state(state.comm_state) if found is None else found).norm
 
+    def backward_stage(self, chain, stage):
+        """PLUMAGE's projection around the all-reduce
+        (:meth:`~gift_jax.lowrank.PlumageTransformation.around`): ordinary steps reduce the
+        projected coordinates inside the backward pass.
+
+        Args:
+          chain: the PLUMAGE chain :meth:`build` returned.
+          stage: its all-reduce.
+
+        Returns:
+          The :class:`~gift_jax.lowrank.ProjectionAroundAllReduce`.
+        """
+        return chain.around(stage)
+
     def build(self, recipe, axes, schedule):
         """``(chain, stage)``: PLUMAGE as the optimizer, reducing through ``all-reduce → record
         norm → clip`` (with ``plumage.gift``: GIFT around the all-reduce on ordinary steps, the
@@ -416,7 +448,8 @@ class PlumagePlan(CommPlan):
                               "comm.method='plumage' PLUMAGE is the optimizer")
         pl, opt, comm = recipe.plumage, recipe.optimizer, recipe.comm
         stage = comm.allreduce(axes, self.shards)
-        communicate = optax.chain(stage, optim.record_grad_norm(), *optim.clip_stages(opt))
+        first = reducible_in_backward(stage) if comm.reduce_in == "backward" else stage
+        communicate = optax.chain(first, optim.record_grad_norm(), *optim.clip_stages(opt))
         communicate_refresh = None
         if self.gift_layers:  # ordinary steps: GIFT-whitened (k, N) coordinates
             communicate_refresh = communicate  # refresh steps: the full gradient, plain
@@ -468,8 +501,10 @@ class Optimizer:
       stage: the communication stage alone (for fidelity diagnostics; for PLUMAGE its
         all-reduce, applied to full gradients).
       in_backward: the trainer reduces inside the backward pass
-        (:func:`gift_jax.comm.overlap.loss_and_reduced_grads` with ``stage``, its state handed
-        to ``tx.update`` as ``reduced_in_backward``).
+        (:func:`gift_jax.comm.overlap.loss_and_reduced_grads` with ``backward_stage``, its new
+        state handed to ``tx.update`` as ``reduced_in_backward``).
+      backward_stage: what the in-backward reduction runs (:meth:`CommPlan.backward_stage`;
+        ``stage``, or PLUMAGE's projection around it).
     """
 
     tx: optax.GradientTransformationExtraArgs
@@ -477,6 +512,7 @@ class Optimizer:
     plan: CommPlan
     stage: optax.GradientTransformation
     in_backward: bool = False
+    backward_stage: Any = None
 
     @property
     def refresh_every(self) -> int | None:
@@ -509,4 +545,5 @@ def build_optimizer(recipe: Any, axes: tuple[str, ...],
     schedule = recipe.optimizer.learning_rate_schedule()
     chain, stage = plan.build(recipe, axes, schedule)
     return Optimizer(skip_nonfinite(chain), schedule, plan, stage,
-                     in_backward=recipe.comm.reduce_in == "backward")
+                     in_backward=recipe.comm.reduce_in == "backward",
+                     backward_stage=plan.backward_stage(chain, stage))

@@ -316,8 +316,8 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         if optimizer.in_backward and not refresh:  # reduced inside the backward pass
             loss, grads, reduced = _loss_and_reduced_grads(
                 model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
-                optimizer.stage, optax.tree.get(opt_state, plan.stage_state))
-            kwargs = {"reduced_in_backward": reduced}
+                optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state))
+            kwargs = {**plan.update_kwargs(refresh, {}), "reduced_in_backward": reduced}
         else:
             loss, grads, stats = _local_loss_and_grads(
                 model_def, tokens, params, accum_steps, capture, plan.gift_two_sided, sharded,
@@ -448,7 +448,8 @@ class TrainStep:
                                  sharding=self.batch_sharding),
         )
         if optimizer.in_backward:
-            warn_if_one_bucket(params, grouped_allreduce(optimizer.stage).spec.bucket_elems)
+            warn_if_one_bucket(params,
+                               grouped_allreduce(optimizer.backward_stage).spec.bucket_elems)
         self._compiled: dict[bool, jax.stages.Compiled] = {}
         self._wire: dict[bool, WireReport] = {}
         self.compile_count = 0
