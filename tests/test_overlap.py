@@ -36,7 +36,7 @@ def _programs(codec: str, scan: bool, accum: int, **extra):
         "comm.codec": codec, "comm.reduce_in": "backward", "model.scan_layers": scan,
         "model.num_layers": 3, "train.grad_accum_steps": accum, "comm.bucket_elems": BUCKET,
         **extra}))
-    program = Program(config, make_mesh(), FAST)
+    program = Program(config, make_mesh(fsdp=config.mesh.fsdp, tensor=config.mesh.tensor), FAST)
     step = program.step
     after = TrainStep(program.model_def, dataclasses.replace(program.optimizer, in_backward=False),
                       program.mesh, *step.abstract_args()[:2], global_batch=16, seq_len=16,
@@ -48,7 +48,9 @@ def _two_steps(step, params, opt_state):
     """Two steps, each waited for: XLA:CPU can deadlock when the 8 simulated devices start
     two programs with collectives in different orders (seen here: 7 devices waiting in an
     all-reduce of one step while the 8th waits to launch it behind another program)."""
-    params, opt_state = jax.block_until_ready(jax.tree.map(jnp.copy, (params, opt_state)))
+    placed = jax.tree.map(lambda a: a.sharding, step.abstract_args()[:2])
+    params, opt_state = jax.block_until_ready(jax.device_put(
+        jax.tree.map(jnp.copy, (params, opt_state)), placed))
     for i in range(2):
         tokens = np.random.RandomState(i).randint(0, 256, (16, 17)).astype(np.int32)
         params, opt_state, metrics = jax.block_until_ready(step(
@@ -72,10 +74,14 @@ def _two_steps(step, params, opt_state):
                             "gift.route_frame": "adam", "gift.two_sided": True}),
     ("fp8_e4m3", False, 2, {"comm.method": "plumage", "comm.error_feedback": True}),
     ("fp8_e4m3", False, 1, {"comm.method": "plumage", "comm.stochastic_rounding": True}),
+    ("fp8_e4m3", False, 2, {"mesh.fsdp": 2, "comm.stochastic_rounding": True}),
+    ("fp8_e4m3", True, 1, {"mesh.fsdp": 2, "mesh.tensor": 2}),
+    ("fp8_e4m3", False, 1, {"mesh.fsdp": 2, "comm.method": "gift"}),
 ], ids=["fp8_sr_ef_unrolled", "fp8_sr_ef_scanned_accum", "nvfp4_hierarchical_scanned",
         "fp32_unrolled_accum", "int8_block_permute_scanned", "gift_ef_unrolled_accum",
         "gift_sr_ef_unrolled", "gift_routed_two_sided_unrolled", "plumage_ef_unrolled_accum",
-        "plumage_sr_unrolled"])
+        "plumage_sr_unrolled", "fsdp_fp8_sr_unrolled_accum", "fsdp_tensor_fp8_scanned",
+        "fsdp_gift_unrolled"])
 def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
     """Two steps (GIFT: a refresh step, which reduces after the backward, then an ordinary
     step with the new factors, reduced inside it)."""
@@ -88,17 +94,19 @@ def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum,
     assert all(moved)  # two real steps
 
 
-@pytest.mark.parametrize("codec,accum,extra", [
-    ("fp32", 1, {}),
-    ("fp8_e4m3", 2, {"comm.method": "gift", "gift.refresh_every": 2}),
-    ("fp8_e4m3", 1, {"comm.method": "plumage"}),
-], ids=["fp32_scanned", "gift_scanned_accum", "plumage_scanned"])
-def test_in_backward_step_agrees_to_rounding_where_not_bit_identical(codec, accum, extra):
-    """Scanned layers with the fp32 codec, or with GIFT or PLUMAGE (jax 0.12): the two steps
-    differ in the last bits of some leaves (the CPU compiler rounds the two graphs' gradients
-    differently; not yet traced to one op; a stochastic rounding can then flip), never by
-    more than fp32 rounding here."""
-    program, after = _programs(codec, True, accum, **extra)
+@pytest.mark.parametrize("codec,scan,accum,extra", [
+    ("fp32", True, 1, {}),
+    ("fp8_e4m3", True, 2, {"comm.method": "gift", "gift.refresh_every": 2}),
+    ("fp8_e4m3", True, 1, {"comm.method": "plumage"}),
+    ("fp8_e4m3", False, 1, {"mesh.fsdp": 2, "comm.method": "plumage"}),
+], ids=["fp32_scanned", "gift_scanned_accum", "plumage_scanned", "fsdp_plumage_unrolled"])
+def test_in_backward_step_agrees_to_rounding_where_not_bit_identical(codec, scan, accum, extra):
+    """Scanned layers with the fp32 codec, or with GIFT or PLUMAGE (jax 0.12); PLUMAGE on an
+    FSDP mesh (GSPMD sums the projection's partial products over ``fsdp`` in another order in
+    the two graphs): the two steps differ in the last bits of some leaves (the CPU compiler
+    rounds the two graphs' gradients differently; a stochastic rounding can then flip), never
+    by more than fp32 rounding here."""
+    program, after = _programs(codec, scan, accum, **extra)
     params, opt_state = program.init()
     inside, outside = (_two_steps(s, params, opt_state)[0] for s in (program.step, after))
     for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside), strict=True):
@@ -182,7 +190,8 @@ def test_bucket_over_the_model_warns_once(caplog):
     ({"comm.method": "plumage", "plumage.gift": True},
      r"comm.reduce_in='backward' with comm.method='plumage' needs plumage.gift=False"),
     ({"comm.method": "gift", "gift.refresh": "adaptive"}, r"needs gift.refresh='fixed'"),
-    ({"mesh.fsdp": 2}, r"mesh.fsdp=1 and mesh.tensor=1, got 2 and 1"),
+    ({"mesh.fsdp": 2, "comm.error_feedback": True},
+     r"on a sharded mesh \(mesh.fsdp=2, mesh.tensor=1\) needs comm.error_feedback=False"),
 ])
 def test_settings_refuse_what_is_not_built(fields, match):
     config = complete_config(small_config("fp8", **{"comm.reduce_in": "backward", **fields}))

@@ -49,6 +49,7 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import PartitionSpec
 
 from gift_jax.comm.layer_groups import (
     GroupPlan,
@@ -191,10 +192,37 @@ def _slots(frame: Frame | None, seen: list) -> dict[int, jax.Array]:
     return {i: jax.numpy.zeros(seen[i].shape, seen[i].dtype) for i in frame.data}
 
 
-def _layer_hook(spec, accum_steps: int, paths: list[str], maps: tuple,
+def _on_shards(reduce: Callable, shards, specs: list) -> Callable:
+    """``reduce`` (:func:`reduce_group` or :func:`reduce_layer`, no error feedback) run by
+    every device on its own shard of each leaf (``specs``: the leaves' specs over
+    ``shards.axes``), as the stage after the backward runs its whole grouped reduction."""
+    if shards is None:
+        return reduce
+
+    def on_shards(leaves, spec, key, residuals):
+        del residuals  # refused with shards (loss_and_reduced_grads)
+        out = jax.shard_map(lambda xs, k: reduce(xs, spec, k, None)[0],
+                            in_specs=(specs, PartitionSpec()), out_specs=specs,
+                            axis_names=set(shards.axes), check_vma=False)(leaves, key)
+        return out, None
+
+    return on_shards
+
+
+def _local_shapes(tree: Any, shards) -> Any:
+    """What each device holds of ``tree``'s leaves inside ``shards``' nested map (their
+    shapes; ``tree`` itself without shards)."""
+    if shards is None:
+        return tree
+    return jax.eval_shape(lambda t: jax.shard_map(
+        lambda x: x, in_specs=(shards.specs(t),), out_specs=PartitionSpec(),
+        axis_names=set(shards.axes), check_vma=False)(t), tree)
+
+
+def _layer_hook(reduce: Callable, spec, accum_steps: int, paths: list[str], maps: tuple,
                 idx: tuple[int, ...]) -> Callable[[Any, Any], Any]:
     """The :func:`~gift_jax.utils.block_hook.block_hook` function of the scanned group."""
-    reducer = functools.partial(_reducer, reduce_layer, spec, accum_steps, maps, idx, True)
+    reducer = functools.partial(_reducer, reduce, spec, accum_steps, maps, idx, True)
 
     def hook(block_state, layer_inputs):
         flat, treedef = jax.tree_util.tree_flatten_with_path(block_state)
@@ -220,8 +248,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         must apply them with :func:`gift_jax.models.common.apply_blocks` (every family here
         does).
       params: the parameters.
-      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; no ``shards``), or a stage
-        around one with a ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's
+      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; with ``shards``, no error
+        feedback: each hook reduces every device's own shard), or a stage around one with a ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's
         stage on its ordinary steps).
       state: the stage's state before the step.
       acc: the sum of the earlier microbatches' gradients (like ``params``), or ``None``.
@@ -233,7 +261,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
       (``Frame.leave`` is ``None``) holds it in the frame's shape.
 
     Raises:
-      ValueError: ``stage`` is not a grouped all-reduce on whole leaves, nor around one.
+      ValueError: ``stage`` is not a grouped all-reduce, nor around one; or it keeps error
+        feedback on sharded leaves.
     """
     around = getattr(stage, "frame_in_backward", None)
     around = (AroundAllReduce(stage, state, None, lambda s: s) if around is None
@@ -241,14 +270,22 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     stage, frame = around.stage, around.frame
     if not isinstance(stage, AllReduceTransformation) or stage.groups is None:
         raise ValueError("reducing in the backward needs gift_jax.allreduce(..., groups=...)")
-    if stage.shards is not None:
-        raise ValueError("reducing in the backward needs whole leaves per replica "
-                         "(an allreduce stage without shards)")
+    shards = stage.shards
+    if shards is not None and around.state.residuals is not None:
+        raise ValueError("reducing sharded leaves in the backward keeps no error-feedback "
+                         "buffers (an allreduce stage with shards and error_feedback=False)")
     spec, groups = stage.spec, stage.groups
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     seen = [x for _, x in flat] if frame is None else frame.shapes([x for _, x in flat])
-    plan: GroupPlan = groups.plan(jax.tree_util.tree_unflatten(treedef, seen),
-                                  spec.bucket_elems)
+    seen_tree = jax.tree_util.tree_unflatten(treedef, seen)
+    # planned on what each device reduces, as the stage after the backward plans it
+    plan: GroupPlan = groups.plan(_local_shapes(seen_tree, shards), spec.bucket_elems)
+    specs = None if shards is None else jax.tree_util.tree_leaves(
+        shards.specs(seen_tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    group_reduce = lambda idx: _on_shards(reduce_group, shards,
+                                          None if specs is None else [specs[i] for i in idx])
+    layer_reduce = _on_shards(reduce_layer, shards, None if specs is None else
+                              [PartitionSpec(*specs[i][1:]) for i in plan.stacked])
     key, sub = step_keys(around.state)
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
@@ -267,7 +304,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
             inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g],
                       _frame_data(frame, idx), slots_of(held, idx))
             out = _reduced_on_the_way_back(
-                functools.partial(_reducer, reduce_group, spec, accum_steps, maps, idx, False),
+                functools.partial(_reducer, group_reduce(idx), spec, accum_steps, maps, idx,
+                                  False),
                 _pick(leaves, idx), inputs)
             for i, value in zip(idx, out, strict=True):
                 hooked[i] = value
@@ -277,8 +315,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         per_layer = (layer_keys(sub, plan), _pick(acc_leaves, plan.stacked), layer_res,
                      _frame_data(frame, plan.stacked, plan.num_layers),
                      slots_of(held, plan.stacked))
-        with block_hook(_layer_hook(spec, accum_steps, layer_paths, maps, plan.stacked),
-                        per_layer):
+        with block_hook(_layer_hook(layer_reduce, spec, accum_steps, layer_paths, maps,
+                                    plan.stacked), per_layer):
             return loss_fn(model_params)
 
     loss, (grads, residuals, kept) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(

@@ -252,11 +252,13 @@ def _summed(one: Callable, params: Params, micro: jax.Array) -> Any:
 
 
 def _loss_and_reduced_grads(model_def: ModelDef, tokens: jax.Array, params: Params,
-                            accum_steps: int, loss_fn: Callable, stage: Any, stage_state: Any):
+                            accum_steps: int, loss_fn: Callable, stage: Any, stage_state: Any,
+                            strided: bool = False):
     """(mean loss, reduced mean gradient, the stage's new state): the gradient reduced inside
     the backward pass of the last microbatch (:func:`gift_jax.comm.overlap.
     loss_and_reduced_grads`), the earlier ones summed first as :func:`_local_loss_and_grads`
-    sums them, so the values are those of its mean reduced by ``stage`` after the backward."""
+    sums them (``strided`` as there), so the values are those of its mean reduced by
+    ``stage`` after the backward."""
 
     def reduced(toks, acc):
         return loss_and_reduced_grads(lambda q: loss_fn(model_def.merge(q), toks), params,
@@ -264,7 +266,7 @@ def _loss_and_reduced_grads(model_def: ModelDef, tokens: jax.Array, params: Para
 
     if accum_steps == 1:
         return reduced(tokens, None)
-    micro = _microbatches(tokens, accum_steps, False)
+    micro = _microbatches(tokens, accum_steps, strided)
     earlier_loss, earlier_grads = _summed(
         lambda p, toks: jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p),
         params, micro[:-1])
@@ -316,7 +318,7 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         if optimizer.in_backward and not refresh:  # reduced inside the backward pass
             loss, grads, reduced = _loss_and_reduced_grads(
                 model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
-                optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state))
+                optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state), sharded)
             kwargs = {**plan.update_kwargs(refresh, {}), "reduced_in_backward": reduced}
         else:
             loss, grads, stats = _local_loss_and_grads(
