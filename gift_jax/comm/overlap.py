@@ -249,8 +249,9 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         does).
       params: the parameters.
       stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; with ``shards``, no error
-        feedback: each hook reduces every device's own shard), or a stage around one with a ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's
-        stage on its ordinary steps).
+        feedback: each hook reduces every device's own shard), or a stage around one with a
+        ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's stage on its ordinary
+        steps, PLUMAGE's projection around its all-reduce).
       state: the stage's state before the step.
       acc: the sum of the earlier microbatches' gradients (like ``params``), or ``None``.
       accum_steps: microbatches in the step (the reduced gradient is their mean).
