@@ -219,20 +219,24 @@ def _slices(leaves: list, plan: GroupPlan) -> list[jax.ShapeDtypeStruct]:
             for i in plan.stacked]
 
 
-def split_residuals(residuals: Any, leaves: list, spec: AllReduceSpec, plan: GroupPlan
-                    ) -> tuple[list, Any]:
+def split_residuals(residuals: Any, leaves: list, spec: AllReduceSpec, plan: GroupPlan,
+                    devices_inside: bool = False) -> tuple[list, Any]:
     """Per group, its part of the error-feedback buffers (call where the axes are bound).
 
     Args:
       residuals: ``(local, shard)`` in the grouped layout (module docstring), or ``None``.
-      leaves: the flattened gradient tree.
+      leaves: the flattened gradient tree (as each device reduces it: its shapes count the
+        groups' shard buffers).
       spec: the reduction's settings (the groups' bucket plans count their shard buffers).
       plan: the tree's :class:`GroupPlan`.
+      devices_inside: the buffers are still stacked over the devices of further (model)
+        axes, whose map is entered group by group: the stacked group's shard buffers keep
+        that axis, behind the layer axis (``(layers, devices, rows, B)``).
 
     Returns:
       ``(per loose group (local leaves, shard buffers), the stacked group's (local slices
       stacked over layers, shard buffers stacked over layers))``, without the device axis for
-      the stacked group; ``None`` entries without error feedback.
+      the stacked group (but see ``devices_inside``); ``None`` entries without error feedback.
     """
     if residuals is None:
         return [None] * len(plan.loose), None
@@ -245,7 +249,9 @@ def split_residuals(residuals: Any, leaves: list, spec: AllReduceSpec, plan: Gro
         offset += n
     layers = None
     if plan.stacked:
-        layers = ([local[i][0] for i in plan.stacked], tuple(b[0] for b in shard[offset:]))
+        layers = ([local[i][0] for i in plan.stacked],
+                  tuple(jnp.moveaxis(b, 1, 0) if devices_inside else b[0]
+                        for b in shard[offset:]))
     return loose, layers
 
 

@@ -192,19 +192,32 @@ def _slots(frame: Frame | None, seen: list) -> dict[int, jax.Array]:
     return {i: jax.numpy.zeros(seen[i].shape, seen[i].dtype) for i in frame.data}
 
 
-def _on_shards(reduce: Callable, shards, specs: list) -> Callable:
-    """``reduce`` (:func:`reduce_group` or :func:`reduce_layer`, no error feedback) run by
-    every device on its own shard of each leaf (``specs``: the leaves' specs over
-    ``shards.axes``), as the stage after the backward runs its whole grouped reduction."""
+def _on_shards(reduce: Callable, shards, specs: list, one_layer: bool) -> Callable:
+    """``reduce`` (:func:`reduce_group` or :func:`reduce_layer`) run by every device on its
+    own shard of each leaf (``specs``: the leaves' specs over ``shards.axes``), as the stage
+    after the backward runs its whole grouped reduction. Error-feedback buffers enter in the
+    layout :class:`~gift_jax.comm.stage.LocalShards` gives them (a layer's shard buffers
+    ``(devices, rows, B)``, whose device axis is dropped inside and restored after)."""
     if shards is None:
         return reduce
+    axes = set(shards.axes)
+
+    def on_device(spec, leaves, key, residuals):
+        if residuals is not None and one_layer:
+            residuals = (residuals[0], tuple(b[0] for b in residuals[1]))
+        out, new = reduce(leaves, spec, key, residuals)
+        if new is not None and one_layer:
+            new = (new[0], tuple(b[None] for b in new[1]))
+        return out, new
 
     def on_shards(leaves, spec, key, residuals):
-        del residuals  # refused with shards (loss_and_reduced_grads)
-        out = jax.shard_map(lambda xs, k: reduce(xs, spec, k, None)[0],
-                            in_specs=(specs, PartitionSpec()), out_specs=specs,
-                            axis_names=set(shards.axes), check_vma=False)(leaves, key)
-        return out, None
+        res_specs = None if residuals is None else (
+            [s if one_layer else PartitionSpec(None, *s) for s in specs],
+            tuple(PartitionSpec(shards.axes) for _ in residuals[1]))
+        return jax.shard_map(functools.partial(on_device, spec),
+                             in_specs=(specs, PartitionSpec(), res_specs),
+                             out_specs=(specs, res_specs), axis_names=axes,
+                             check_vma=False)(leaves, key, residuals)
 
     return on_shards
 
@@ -248,8 +261,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
         must apply them with :func:`gift_jax.models.common.apply_blocks` (every family here
         does).
       params: the parameters.
-      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; with ``shards``, no error
-        feedback: each hook reduces every device's own shard), or a stage around one with a
+      stage: a grouped :func:`gift_jax.allreduce` (``groups`` set; with ``shards``, each hook
+        reduces every device's own shard), or a stage around one with a
         ``frame_in_backward`` method (:class:`AroundAllReduce`; GIFT's stage on its ordinary
         steps, PLUMAGE's projection around its all-reduce).
       state: the stage's state before the step.
@@ -262,8 +275,7 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
       (``Frame.leave`` is ``None``) holds it in the frame's shape.
 
     Raises:
-      ValueError: ``stage`` is not a grouped all-reduce, nor around one; or it keeps error
-        feedback on sharded leaves.
+      ValueError: ``stage`` is not a grouped all-reduce, nor around one.
     """
     around = getattr(stage, "frame_in_backward", None)
     around = (AroundAllReduce(stage, state, None, lambda s: s) if around is None
@@ -272,21 +284,20 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     if not isinstance(stage, AllReduceTransformation) or stage.groups is None:
         raise ValueError("reducing in the backward needs gift_jax.allreduce(..., groups=...)")
     shards = stage.shards
-    if shards is not None and around.state.residuals is not None:
-        raise ValueError("reducing sharded leaves in the backward keeps no error-feedback "
-                         "buffers (an allreduce stage with shards and error_feedback=False)")
     spec, groups = stage.spec, stage.groups
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     seen = [x for _, x in flat] if frame is None else frame.shapes([x for _, x in flat])
     seen_tree = jax.tree_util.tree_unflatten(treedef, seen)
     # planned on what each device reduces, as the stage after the backward plans it
-    plan: GroupPlan = groups.plan(_local_shapes(seen_tree, shards), spec.bucket_elems)
+    local = _local_shapes(seen_tree, shards)
+    plan: GroupPlan = groups.plan(local, spec.bucket_elems)
+    local = jax.tree_util.tree_leaves(local)
     specs = None if shards is None else jax.tree_util.tree_leaves(
         shards.specs(seen_tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    group_reduce = lambda idx: _on_shards(reduce_group, shards,
-                                          None if specs is None else [specs[i] for i in idx])
+    group_reduce = lambda idx: _on_shards(
+        reduce_group, shards, None if specs is None else [specs[i] for i in idx], False)
     layer_reduce = _on_shards(reduce_layer, shards, None if specs is None else
-                              [PartitionSpec(*specs[i][1:]) for i in plan.stacked])
+                              [PartitionSpec(*specs[i][1:]) for i in plan.stacked], True)
     key, sub = step_keys(around.state)
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
@@ -299,7 +310,8 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     def loss_of(p, residuals, held):
         leaves = jax.tree_util.tree_leaves(p)
         acc_leaves = None if acc is None else jax.tree_util.tree_leaves(acc)
-        loose_res, layer_res = split_residuals(residuals, seen, spec, plan)
+        loose_res, layer_res = split_residuals(residuals, local, spec, plan,
+                                               devices_inside=shards is not None)
         hooked = list(leaves)
         for g, idx in enumerate(plan.loose):
             inputs = (group_key(sub, g), _pick(acc_leaves, idx), loose_res[g],

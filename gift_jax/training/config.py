@@ -608,8 +608,7 @@ REDUCE_IN = ("after", "backward")
 def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
     """``comm.reduce_in`` and ``comm.bucket_elems``: a known value, a positive bucket size, and
     the in-backward reduction only where it is built (the all-reduce stage alone, GIFT on the
-    fixed refresh clock, PLUMAGE without ``plumage.gift``; on a sharded mesh without error
-    feedback)."""
+    fixed refresh clock, PLUMAGE without ``plumage.gift``)."""
     _choice(config, "comm.reduce_in", REDUCE_IN)
     _choice(config, "comm.exchange", EXCHANGES)
     _positive_int(config, "comm.bucket_elems")
@@ -625,12 +624,6 @@ def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
             f"comm.reduce_in='backward' with comm.method='gift' needs gift.refresh='fixed' "
             f"(got {config.gift.refresh!r}: the adaptive rule measures every step's input "
             "coverage in the forward pass); or set comm.reduce_in='after'")
-    if (config.mesh.fsdp != 1 or config.mesh.tensor != 1) and config.comm.error_feedback:
-        raise ConfigError(
-            "comm.reduce_in='backward' on a sharded mesh (mesh.fsdp="
-            f"{config.mesh.fsdp}, mesh.tensor={config.mesh.tensor}) needs "
-            "comm.error_feedback=False (the buffers of sharded leaves are kept after the "
-            "backward); or set comm.reduce_in='after'")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:

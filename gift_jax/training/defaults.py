@@ -112,11 +112,12 @@ def default_config() -> ml_collections.ConfigDict:
     comm.intra_codec = "fp32"  # codec inside the intra-node axis when mesh.intra_size > 1
     comm.distribute_refresh = True  # spread GIFT/PLUMAGE refresh decompositions over replicas
     # when the gradient is reduced: "after" the backward pass (one bucket plan over the tree) |
-    # "backward": group by group inside it, in reverse layer order (comm.method='none')
+    # "backward": group by group inside it, in reverse layer order
     comm.reduce_in = "after"
     comm.bucket_elems = 1 << 24  # bucket size in elements (64 MiB of fp32), as Megatron's
     # how quantized bytes cross the data axis: "auto" (ppermutes across slices of a
-    # hierarchical mesh) | "all_to_all" | "permute" (ppermutes, which the TPU compiler overlaps)
+    # hierarchical mesh) | "all_to_all" | "permute" (ppermutes, which the TPU compiler
+    # overlaps; a hierarchical mesh's fp32 legs inside the slice too)
     comm.exchange = "auto"
 
     # ------------------------------------------------------------------ GIFT whitening
