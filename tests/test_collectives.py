@@ -219,37 +219,6 @@ def test_hierarchical_two_axes():
     assert np.linalg.norm(np.asarray(out2["w"][0]) - exact) / np.linalg.norm(exact) < 0.05
 
 
-def test_fp32_legs_exchanged_by_ppermutes_are_the_reduce_scatter_and_all_gather(mesh):
-    """``exchange="permute"`` also moves a hierarchical reduction's fp32 legs inside the slice
-    by ``ppermute`` (what the TPU compiler schedules asynchronously): the same sums (on small
-    integers every order of summation is exact) and the same gather."""
-    from gift_jax.comm.codecs import get_codec
-    from gift_jax.comm.collectives import Collective, all_gather_rows, reduce_scatter_rows
-
-    spec = gj.AllReduceSpec("data", intra_axis="local", exchange="permute")
-    assert spec.permutes("local") and spec.permutes("data")
-    assert not gj.AllReduceSpec("data", intra_axis="local").permutes("local")
-    x = jax.random.randint(jax.random.key(3), (N, 4 * N, 128), -8, 8).astype(jnp.float32)
-    row_leaf = jnp.zeros((4 * N,), jnp.int32)
-    outs, hlos = [], []
-    for permute in (False, True):
-        col = Collective("data", get_codec("fp32"), permute=permute)
-
-        def body(t, col=col):
-            shard = reduce_scatter_rows(t[0], col, row_leaf, 1)
-            return jnp.stack([shard, all_gather_rows(shard, col, row_leaf, 1)[:4]])[None]
-
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                                  check_vma=False))
-        placed = jax.device_put(x, NamedSharding(mesh, P("data")))
-        outs.append(np.asarray(f(placed)))
-        hlos.append(f.lower(placed).as_text())
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[1][1, 0], np.asarray(x).sum(0)[4:8])
-    assert "reduce_scatter" in hlos[0] and "reduce_scatter" not in hlos[1]
-    assert "collective_permute" in hlos[1]
-
-
 def test_pallas_backend_collective_equals_xla(mesh):
     grads = {"w": jax.random.normal(jax.random.key(4), (N, 300)),
              "b": jax.random.normal(jax.random.key(5), (N, 7))}

@@ -275,10 +275,7 @@ def reduce_scatter_rows(
     P = axis_size(axis)
     rows, B = x.shape
     if codec.is_exact:
-        if col.permute:  # the chunks by ppermute, summed in the senders' order
-            out = jnp.sum(exchange_chunks(x.reshape(P, rows // P, B), axis, True), axis=0)
-        else:
-            out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+        out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
         return (out, jnp.zeros_like(x)) if return_local_error else out
     rs = rows // P
     leaf_scale = _leaf_scales(x, codec, row_leaf, num_leaves, axis, col.global_scale)
@@ -356,8 +353,7 @@ def all_gather_rows(
     P = axis_size(axis)
     rs, B = shard.shape
     if codec.is_exact:
-        out = (gather_chunks(shard, axis, True).reshape(P * rs, B) if col.permute
-               else all_gather_invariant(shard, axis, tiled=True))
+        out = all_gather_invariant(shard, axis, tiled=True)
         return (out, jnp.zeros_like(shard)) if return_local_error else out
     idx = jax.lax.axis_index(axis)
     mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
@@ -487,12 +483,10 @@ class AllReduceSpec:
                           permute=self.permutes(axis))
 
     def permutes(self, axis) -> bool:
-        """Whether the exchange over ``axis`` goes by shifted ``ppermute`` s
-        (:attr:`Collective.permute`): always with ``exchange="permute"`` (a hierarchical
-        reduction's fp32 legs inside the slice too, their chunks then summed in the senders'
-        order instead of by XLA's reduce-scatter), never with ``"all_to_all"``; ``"auto"``: on
-        the outer axis of a hierarchical reduction (across slices, where the TPU compiler
-        sends an ``all_to_all``'s whole operand).
+        """Whether the quantized exchange over ``axis`` goes by shifted ``ppermute`` s
+        (:attr:`Collective.permute`): always with ``exchange="permute"``, never with
+        ``"all_to_all"``; ``"auto"``: on the outer axis of a hierarchical reduction (across
+        slices, where the TPU compiler sends an ``all_to_all``'s whole operand).
 
         ``"permute"`` is also what lets the TPU compiler overlap the reduction: it issues a
         ``ppermute`` asynchronously (``collective-permute-start``/``-done``) and schedules
@@ -506,9 +500,9 @@ class AllReduceSpec:
         Returns:
           ``True`` to exchange by ``ppermute`` s.
         """
-        if self.exchange != "auto":
-            return self.exchange == "permute"
-        return axis == self.axis_name and self.intra_axis is not None
+        if axis != self.axis_name or self.exchange == "all_to_all":
+            return False
+        return self.exchange == "permute" or self.intra_axis is not None
 
     @property
     def reduced_axes(self) -> AxisName | None:

@@ -179,8 +179,7 @@ def allreduce(
       exchange: how the quantized bytes cross ``axis_name``: ``"all_to_all"`` (one
         ``all_to_all`` and one ``all_gather`` per bucket), ``"permute"`` (``P − 1`` shifted
         ``ppermute`` s per phase: the same bytes, which the TPU compiler issues
-        asynchronously and overlaps with compute; with ``intra_axis`` the fp32 legs over it
-        too), or ``"auto"`` (``ppermute`` s on the outer
+        asynchronously and overlaps with compute), or ``"auto"`` (``ppermute`` s on the outer
         axis of a hierarchical reduction only). See
         :meth:`~gift_jax.comm.collectives.AllReduceSpec.permutes`.
 

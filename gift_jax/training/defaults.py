@@ -116,8 +116,7 @@ def default_config() -> ml_collections.ConfigDict:
     comm.reduce_in = "after"
     comm.bucket_elems = 1 << 24  # bucket size in elements (64 MiB of fp32), as Megatron's
     # how quantized bytes cross the data axis: "auto" (ppermutes across slices of a
-    # hierarchical mesh) | "all_to_all" | "permute" (ppermutes, which the TPU compiler
-    # overlaps; a hierarchical mesh's fp32 legs inside the slice too)
+    # hierarchical mesh) | "all_to_all" | "permute" (ppermutes, which the TPU compiler overlaps)
     comm.exchange = "auto"
 
     # ------------------------------------------------------------------ GIFT whitening
