@@ -117,8 +117,15 @@ class Frame:
     data: dict[int, Any]
 
     def shapes(self, leaves: list) -> list:
-        """What the all-reduce sees of ``leaves`` (the flattened parameters): each mapped
-        leaf's shape in the frame (a ``jax.ShapeDtypeStruct``), the others as they are."""
+        """What the all-reduce sees of ``leaves``.
+
+        Args:
+          leaves: the flattened parameters (arrays or abstract shapes).
+
+        Returns:
+          Each mapped leaf's shape in the frame (a ``jax.ShapeDtypeStruct``, ``enter`` of
+          the whole leaf traced with ``jax.eval_shape``), the other leaves as they are.
+        """
         return [x if i not in self.data else jax.eval_shape(
             lambda v, d, i=i: self.enter(i, v, d, False), x, self.data[i])
             for i, x in enumerate(leaves)]
