@@ -184,6 +184,16 @@ def test_bucket_over_the_model_warns_once(caplog):
     assert len(lines) == 1 and "comm.bucket_elems=16777216" in lines[0]
 
 
+def test_the_in_backward_step_warns_when_one_bucket_holds_the_gradient(caplog):
+    """Checked on what each device reduces (PLUMAGE: the coordinates; a sharded mesh: the
+    shards), where the groups are planned."""
+    program, _ = _programs("fp8_e4m3", False, 1, **{"comm.method": "plumage",
+                                                     "comm.bucket_elems": 1 << 24})
+    with caplog.at_level(logging.WARNING, logger="gift_jax.comm.overlap"):
+        program.step.compiled(False)
+    assert [r for r in caplog.records if "holds the whole gradient" in r.getMessage()]
+
+
 @pytest.mark.parametrize("fields,match", [
     ({"comm.bucket_elems": 0}, r"comm.bucket_elems=0 must be an int >= 1"),
     ({"comm.reduce_in": "during"}, r"comm.reduce_in='during' is not supported; allowed: after, "

@@ -297,6 +297,7 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     seen_tree = jax.tree_util.tree_unflatten(treedef, seen)
     # planned on what each device reduces, as the stage after the backward plans it
     local = _local_shapes(seen_tree, shards)
+    warn_if_one_bucket(local, spec.bucket_elems)
     plan: GroupPlan = groups.plan(local, spec.bucket_elems)
     local = jax.tree_util.tree_leaves(local)
     specs = None if shards is None else jax.tree_util.tree_leaves(
@@ -376,25 +377,13 @@ def reducible_in_backward(stage: optax.GradientTransformation
     return optax.GradientTransformationExtraArgs(stage.init, update_fn)
 
 
-def grouped_allreduce(stage: optax.GradientTransformation) -> AllReduceTransformation:
-    """The all-reduce ``stage`` reduces with: ``stage`` itself, or the one a stage around it
-    wraps (its ``reduce_stage``, as GIFT's stage declares it).
-
-    Args:
-      stage: an :func:`gift_jax.allreduce` stage or a stage around one.
-
-    Returns:
-      The all-reduce stage.
-    """
-    return getattr(stage, "reduce_stage", stage)
-
-
 def warn_if_one_bucket(params: Any, bucket_elems: int) -> bool:
     """Log one warning when ``bucket_elems`` holds the whole gradient: the grouped reduction is
     then one bucket, reduced once the backward pass is done (nothing to overlap).
+    :func:`loss_and_reduced_grads` calls it (once per trace) on what each device reduces.
 
     Args:
-      params: the parameters (arrays or abstract shapes).
+      params: the gradient tree as each device reduces it (arrays or abstract shapes).
       bucket_elems: the bucket size (``comm.bucket_elems``).
 
     Returns:

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gift_jax.comm.overlap import grouped_allreduce, loss_and_reduced_grads, warn_if_one_bucket
+from gift_jax.comm.overlap import loss_and_reduced_grads
 from gift_jax.comm.wire import WireReport, parse_hlo
 from gift_jax.models import model_spec
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
@@ -449,9 +449,6 @@ class TrainStep:
             jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding),
         )
-        if optimizer.in_backward:
-            warn_if_one_bucket(params,
-                               grouped_allreduce(optimizer.backward_stage).spec.bucket_elems)
         self._compiled: dict[bool, jax.stages.Compiled] = {}
         self._wire: dict[bool, WireReport] = {}
         self.compile_count = 0
