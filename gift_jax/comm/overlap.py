@@ -296,10 +296,10 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     seen = [x for _, x in flat] if frame is None else frame.shapes([x for _, x in flat])
     seen_tree = jax.tree_util.tree_unflatten(treedef, seen)
     # planned on what each device reduces, as the stage after the backward plans it
-    local = _local_shapes(seen_tree, shards)
-    warn_if_one_bucket(local, spec.bucket_elems)
-    plan: GroupPlan = groups.plan(local, spec.bucket_elems)
-    local = jax.tree_util.tree_leaves(local)
+    local_tree = _local_shapes(seen_tree, shards)
+    warn_if_one_bucket(local_tree, spec.bucket_elems)
+    plan: GroupPlan = groups.plan(local_tree, spec.bucket_elems)
+    local = jax.tree_util.tree_leaves(local_tree)
     specs = None if shards is None else jax.tree_util.tree_leaves(
         shards.specs(seen_tree), is_leaf=lambda x: isinstance(x, PartitionSpec))
     group_reduce = lambda idx: _on_shards(

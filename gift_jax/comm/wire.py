@@ -308,9 +308,8 @@ _INDEX = re.compile(r"\bindex=(\d+)")
 def _counter_index(condition: Sequence[str], compare: str) -> int | None:
     """The tuple index of the loop counter that ``compare`` tests (a ``get-tuple-element`` of
     the condition's parameter); ``None`` where that is not the form."""
-    cond_defs = {m["name"]: m for m in map(INSTRUCTION.match, condition) if m}
     first = re.findall(r"%[\w.\-]+", compare.split(" compare(", 1)[1])[:1]
-    tested = cond_defs.get(first[0]) if first else None
+    tested = _defs(condition).get(first[0]) if first else None
     if tested is None or tested["op"] != "get-tuple-element":
         return None
     index = _INDEX.search(tested.string)

@@ -700,7 +700,7 @@ def frame_in_backward(s: Settings, reduce_stage: optax.GradientTransformation, p
     if _whitened_layers(state.comm_state):
         raise ValueError("scale_by_plumage: a GIFT stage in communicate whitens the "
                          "coordinates after the backward pass; reduce after it")
-    flat, treedef = jax.tree.flatten(params)
+    treedef = jax.tree.structure(params)
     lays = treedef.flatten_up_to(s.layouts(params))
     leaves = treedef.flatten_up_to(state.leaves)
 

@@ -1174,11 +1174,6 @@ class GiftTransformation(optax.GradientTransformationExtraArgs):
         self.settings = settings
         return self
 
-    @property
-    def reduce_stage(self) -> optax.GradientTransformation:
-        """The wrapped all-reduce stage, as given."""
-        return self.settings.reduce_stage
-
     def frame_in_backward(self, params: Any, state: GiftState) -> AroundAllReduce:
         """:func:`frame_in_backward` of this stage's settings.
 
