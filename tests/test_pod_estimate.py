@@ -118,3 +118,39 @@ def test_windowed_einsum_counts_only_the_taps_that_meet_the_input():
     types = {"%x": "bf16[2048,64,1]", "%w": "bf16[64,2,32]"}
     [ins] = pe.computations(_module([line]))[0]["%main"]
     assert pe._flops(ins, types) == 2 * (2048 * 2 * 32) * 64
+
+
+def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
+    """A scanned layer stack is read one layer per trip (a fusion of a ``dynamic-slice``) and
+    its gradient written one layer per trip, in place (a fusion whose root is a
+    ``dynamic-update-slice`` of its buffer parameter): each moves one layer's bytes, not the
+    stack's 32; an op that reads the whole stack still costs all of it."""
+    stack, layer = "f32[32,256,1024]", "f32[256,1024]"  # 32 MiB and 1 MiB
+    fused = (
+        f"%read (s: {stack}, i: s32[]) -> {layer} {{\n"
+        f"  %s = {stack} parameter(0)\n  %i = s32[] parameter(1)\n  %z = s32[] constant(0)\n"
+        f"  %ds = f32[1,256,1024] dynamic-slice(%s, %i, %z, %z), "
+        f"dynamic_slice_sizes={{1,256,1024}}\n"
+        f"  ROOT %b = {layer} bitcast(%ds)\n}}\n\n"
+        f"%write (s: {stack}, i: s32[], g: bf16[256,1024]) -> {stack} {{\n"
+        f"  %s = {stack} parameter(0)\n  %i = s32[] parameter(1)\n"
+        f"  %g = bf16[256,1024] parameter(2)\n  %z = s32[] constant(0)\n"
+        f"  %c = {layer} convert(%g)\n  %b = f32[1,256,1024] bitcast(%c)\n"
+        f"  ROOT %dus = {stack} dynamic-update-slice(%s, %b, %i, %z, %z)\n}}\n\n"
+        f"%sum (s: {stack}) -> {stack} {{\n"
+        f"  %s = {stack} parameter(0)\n  ROOT %m = {stack} multiply(%s, %s)\n}}\n\n")
+    ops = [f"%st = {stack} parameter(0)", "%i = s32[] parameter(1)",
+           "%g = bf16[256,1024] parameter(2)",
+           f"%r = {layer} fusion(%st, %i), kind=kLoop, calls=%read",
+           f"%w = {stack} fusion(%st, %i, %g), kind=kLoop, calls=%write",
+           f"%all = {stack} fusion(%st), kind=kLoop, calls=%sum",
+           f"%u = {stack} dynamic-update-slice(%st, %g, %i, %i, %i)"]
+    comps, entry = pe.computations(_module(ops, extra=fused))
+    costs = pe._Costs(comps, CHIP)
+    types = {i.name: i.type for i in comps[entry]}
+    moved = {i.name: costs.bytes_moved(i, types) for i in comps[entry] if i.op != "parameter"}
+    mib = 2**20
+    assert moved["%r"] == 2 * mib + 4  # the layer read and written, and the index
+    assert moved["%w"] == 0.5 * mib + mib + 4  # bf16 update read, f32 layer written in place
+    assert moved["%all"] == 2 * 32 * mib  # a whole-stack op reads and writes the stack
+    assert moved["%u"] == 2 * 0.5 * mib  # unfused: the update, read and written
