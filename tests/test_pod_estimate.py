@@ -140,11 +140,13 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
         f"%sum (s: {stack}) -> {stack} {{\n"
         f"  %s = {stack} parameter(0)\n  ROOT %m = {stack} multiply(%s, %s)\n}}\n\n")
     ops = [f"%st = {stack} parameter(0)", "%i = s32[] parameter(1)",
-           "%g = bf16[256,1024] parameter(2)",
+           "%g = bf16[256,1024] parameter(2)", "%l = f32[1,256,1024] parameter(3)",
            f"%r = {layer} fusion(%st, %i), kind=kLoop, calls=%read",
            f"%w = {stack} fusion(%st, %i, %g), kind=kLoop, calls=%write",
            f"%all = {stack} fusion(%st), kind=kLoop, calls=%sum",
-           f"%u = {stack} dynamic-update-slice(%st, %g, %i, %i, %i)"]
+           f"%u = {stack} dynamic-update-slice(%st, %l, %i, %i, %i)",
+           "%d = f32[1,256,1024] dynamic-slice(%st, %i, %i, %i), "
+           "dynamic_slice_sizes={1,256,1024}"]
     comps, entry = pe.computations(_module(ops, extra=fused))
     costs = pe._Costs(comps, CHIP)
     types = {i.name: i.type for i in comps[entry]}
@@ -153,4 +155,4 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
     assert moved["%r"] == 2 * mib + 4  # the layer read and written, and the index
     assert moved["%w"] == 0.5 * mib + mib + 4  # bf16 update read, f32 layer written in place
     assert moved["%all"] == 2 * 32 * mib  # a whole-stack op reads and writes the stack
-    assert moved["%u"] == 2 * 0.5 * mib  # unfused: the update, read and written
+    assert moved["%u"] == moved["%d"] == 2 * mib  # unfused: the layer, read and written
