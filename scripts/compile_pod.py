@@ -66,6 +66,9 @@ def parse_args(argv=None):
                         help="with --topology: a TPU compiler option for every row, e.g. "
                              "xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000 "
                              "(repeatable; shown in the flags column)")
+    parser.add_argument("--hlo", default=None, metavar="DIR",
+                        help="with --topology: also write each row's compiled HLO text to "
+                             "DIR (for scripts/compare_pod_steps.py)")
     parser.add_argument("--in_process", action="store_true",
                         help="with --topology: compile every (mesh, mode) in this process "
                              "instead of one child process each")
@@ -229,7 +232,8 @@ def main(argv=None) -> int:
                     got = [r.row() for r in compile_mode(
                         config, mode, mesh, pod, refresh=args.refresh, topology=topology,
                         intra=intra_size(args.intra, mesh[0], args.slices),
-                        compiler_options=options or None, flags_label=label)]
+                        compiler_options=options or None, flags_label=label,
+                        hlo_dir=args.hlo)]
                 for row in got:
                     rows.append(row)
                     print(json.dumps(row), flush=True)

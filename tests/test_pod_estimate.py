@@ -3,8 +3,13 @@ roofline time from its shapes, synchronous collectives fully exposed, async ones
 the compute between start and done, one link at a time, loops by their trip count, and the
 chip table's one-line errors."""
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
+from gift_jax.apps import pod
 from gift_jax.apps import pod_estimate as pe
 
 # a chip with round numbers: 1 TFLOP/s, 1 GB/s HBM, 2 GB/s ICI (1 GB/s each way), 0.5 GB/s DCN
@@ -156,3 +161,43 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
     assert moved["%w"] == 0.5 * mib + mib + 4  # bf16 update read, f32 layer written in place
     assert moved["%all"] == 2 * 32 * mib  # a whole-stack op reads and writes the stack
     assert moved["%u"] == moved["%d"] == 2 * mib  # unfused: the layer, read and written
+
+
+def test_compute_by_op_adds_up_and_two_steps_compare_op_by_op(tmp_path):
+    """Every op's compute lands under one label (kind and layout-free type; ``matmul`` where it
+    does FLOPs), loops times their trips; ``compare`` and ``scripts/compare_pod_steps.py`` put
+    two steps' labels and collectives side by side."""
+    plain = _module([f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
+                     f"ROOT %ar = {F32_1M} all-reduce(%c), {GROUP}"])
+    extra = _module([f"%p = {F32_1M} parameter(0)", _compute("c", "p"),
+                     "%x = f32[512,512]{1,0} bitcast(%c)",
+                     "%t = f32[512,512]{0,1} copy(%x)",
+                     "%mm = f32[512,512] dot(%t, %t), lhs_contracting_dims={1}, "
+                     "rhs_contracting_dims={0}",
+                     f"ROOT %ar = {F32_1M} all-reduce(%c), {GROUP}"])
+    a, b = (pe.replay(h, 0.0, CHIP, mesh=None) for h in (plain, extra))
+    assert sum(b.compute_by_op.values()) == pytest.approx(b.compute_s)
+    assert set(b.compute_by_op) == {"multiply f32[262144]", "copy f32[512,512]",
+                                    "matmul dot f32[512,512]"}
+    table = pe.compare(a, b)
+    assert "| `copy f32[512,512]` | 0.00 | 2.10 | 2.10 |" in table
+    assert "| all-reduce, ICI | 1.57 | 1.57 | 1.57 | 1.57 |" in table
+    paths = []
+    for name, text in (("a", plain), ("b", extra)):
+        paths.append(tmp_path / f"{name}.hlo.txt")
+        paths[-1].write_text(text)
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "compare_pod_steps.py"
+    out = subprocess.run([sys.executable, str(script), *map(str, paths), "--chip", "v5e"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "`copy f32[512,512]`" in out and "| compute ms |" in out
+    bad = subprocess.run([sys.executable, str(script), *map(str, paths), "--chip", "v4"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: no published bandwidths for TPU 'v4'")
+
+
+def test_each_row_names_its_hlo_file():
+    row = {"mode": "fp8", "mesh": "4x16x1", "reduction": "flat, in backward, ppermute",
+           "variant": "ordinary", "flags": "xla_jf_spmd_threshold_for_windowed_einsum_mib=1"}
+    assert pod.hlo_file_name(row) == ("fp8_4x16x1_flat_in_backward_ppermute_ordinary_"
+                                      "xla_jf_spmd_threshold_for_windowed_einsum_mib=1.hlo.txt")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import re
 import time
 from collections.abc import Sequence
@@ -403,7 +404,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
                  devices: Sequence[jax.Device] | None = None, *,
                  refresh: bool = False, topology=None, intra: int = 1,
                  compiler_options: dict[str, Any] | None = None,
-                 flags_label: str | None = None) -> list[PodCompile]:
+                 flags_label: str | None = None,
+                 hlo_dir: str | None = None) -> list[PodCompile]:
     """Compiles the step variants of ``config`` in ``mode`` (a key of :data:`MODES`) on a
     ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), without running them.
 
@@ -422,6 +424,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
       compiler_options: XLA/TPU compiler options of the step (e.g. :func:`overlap_flags`),
         or ``None``.
       flags_label: the rows' ``flags`` column (default: ``maxtext`` with options, else ``-``).
+      hlo_dir: a directory to write each row's compiled HLO text to (:func:`hlo_file_name`;
+        for ``scripts/compare_pod_steps.py``), or ``None``.
 
     Returns:
       One :class:`PodCompile` per compiled variant, ordinary first (the schedule overlap
@@ -478,7 +482,26 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
             flags=flags_label or ("maxtext" if compiler_options else "-"),
             schedule="" if xla else _schedule(config.comm)))
+        if hlo_dir is not None:
+            path = pathlib.Path(hlo_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            (path / hlo_file_name(out[-1].row())).write_text(text)
     return out
+
+
+def hlo_file_name(row: dict[str, Any]) -> str:
+    """The file a row's compiled HLO text is written to (``compile_pod.py --hlo``): its mode,
+    mesh, reduction, variant and flags, e.g.
+    ``fp8_4x16x1_flat_in_backward_ppermute_ordinary_-.hlo.txt``.
+
+    Args:
+      row: a :meth:`PodCompile.row`.
+
+    Returns:
+      The file name.
+    """
+    key = "_".join(str(row[k]) for k in ("mode", "mesh", "reduction", "variant", "flags"))
+    return re.sub(r"[^\w.=-]+", "_", key) + ".hlo.txt"
 
 
 def _schedule(comm: Any) -> str:

@@ -205,13 +205,17 @@ class _Costs:
 
     def seconds(self, ins: Instr, types: Mapping[str, str]) -> float:
         """Roofline time of one compute instruction (a fusion, matmul, kernel, copy...)."""
+        return self.roofline(ins, types)[0]
+
+    def roofline(self, ins: Instr, types: Mapping[str, str]) -> tuple[float, float]:
+        """``(roofline seconds, FLOPs)`` of one compute instruction."""
         moved = self.bytes_moved(ins, types)
         flops = 0.0
         if ins.op in ("convolution", "dot"):
             flops = _flops(ins, types)
         elif ins.op == "fusion":
             flops = sum(self.flops_of(c) for c in ins.called())
-        return max(flops / self.chip.peak_flops, moved / self.chip.hbm_bandwidth)
+        return max(flops / self.chip.peak_flops, moved / self.chip.hbm_bandwidth), flops
 
     def bytes_moved(self, ins: Instr, types: Mapping[str, str]) -> float:
         """HBM bytes one instruction reads and writes: its operands (an operand read twice,
@@ -299,6 +303,8 @@ class Replay:
     step_s: float  # the clock at the end of the replay
     collectives: tuple[Collective, ...]
     optimal_seconds: float = 0.0  # the compiler's own figure (a loop body counted once)
+    #: compute seconds per step by :func:`op_label` (every loop body times its trip count)
+    compute_by_op: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def exposed_s(self) -> float:
@@ -335,6 +341,22 @@ class Replay:
                 and (axes is None or set(c.axes) & set(axes))]
 
 
+def op_label(ins: Instr, flops: float) -> str:
+    """What :attr:`Replay.compute_by_op` groups an op by: its kind and result type without
+    layouts, ``matmul`` first where it does FLOPs (``matmul fusion bf16[2048,4096]``,
+    ``copy f32[2048,4096]``), so two compiled steps of one model line up op by op.
+
+    Args:
+      ins: a compute instruction.
+      flops: its FLOPs (:meth:`_Costs.roofline`).
+
+    Returns:
+      The label.
+    """
+    return ("matmul " if flops else "") + f"{ins.op} {_LAYOUT.sub('', ins.type)}"
+
+
+_LAYOUT = re.compile(r"\{[^}]*\}")
 _COND = re.compile(r"\bcondition=(%[\w.\-]+)")
 
 
@@ -378,6 +400,7 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
     found: list[Collective] = []
 
     compute = 0.0  # roofline seconds of the replay's compute, loops times their trips
+    by_op: dict[str, float] = {}
 
     def run(comp: str, executions: int) -> float:
         """Replays ``comp`` once (``executions`` times per step); returns its duration,
@@ -425,13 +448,15 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                 times = [run(c, executions) for c in called]
                 clock += max(times) if ins.op == "conditional" and times else sum(times)
             elif ins.op not in _FREE and not ins.op.endswith("-done"):
-                seconds = costs.seconds(ins, types)
+                seconds, flops = costs.roofline(ins, types)
                 clock += seconds
                 compute += seconds * executions
+                label = op_label(ins, flops)
+                by_op[label] = by_op.get(label, 0.0) + seconds * executions
         return clock
 
     step = run(entry, 1)
-    return Replay(compute, step, tuple(found), optimal_seconds)
+    return Replay(compute, step, tuple(found), optimal_seconds, by_op)
 
 
 def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False,
@@ -462,3 +487,40 @@ def estimate(compiled: Any, mesh, generation: str, *, multislice: bool = False,
                          "TPU compiler reports it)")
     text = compiled.as_text() if hlo_text is None else hlo_text
     return replay(text, float(analysis["optimal_seconds"]), found, mesh)
+
+
+def compare(a: Replay, b: Replay, top: int = 20) -> str:
+    """Two replayed steps of one model side by side, as markdown: compute and exposed time,
+    the ``top`` op labels whose compute differs most (:attr:`Replay.compute_by_op`), and each
+    kind of collective's link time and stall per link.
+
+    Args:
+      a, b: the replays (e.g. XLA's own step and ours).
+      top: how many op labels to list.
+
+    Returns:
+      The tables.
+    """
+    ms = lambda x: f"{x * 1e3:.2f}"
+    lines = ["| | A | B | B − A |", "|---|---:|---:|---:|"]
+    for name, f in (("compute ms", lambda r: r.compute_s), ("exposed ms", lambda r: r.exposed_s),
+                    ("step ms", lambda r: r.step_s)):
+        lines.append(f"| {name} | {ms(f(a))} | {ms(f(b))} | {ms(f(b) - f(a))} |")
+    ops = sorted(set(a.compute_by_op) | set(b.compute_by_op),
+                 key=lambda k: -abs(b.compute_by_op.get(k, 0.0) - a.compute_by_op.get(k, 0.0)))
+    lines += ["", "| op (compute ms per step) | A | B | B − A |", "|---|---:|---:|---:|"]
+    for k in ops[:top]:
+        x, y = a.compute_by_op.get(k, 0.0), b.compute_by_op.get(k, 0.0)
+        lines.append(f"| `{k}` | {ms(x)} | {ms(y)} | {ms(y - x)} |")
+    lines += ["", "| collective, link | A link ms | A stall ms | B link ms | B stall ms |",
+              "|---|---:|---:|---:|---:|"]
+    kinds = sorted({(c.kind, c.link) for c in (*a.collectives, *b.collectives)})
+    for kind, link in kinds:
+        cells = []
+        for r in (a, b):
+            chosen = [c for c in r.collectives if (c.kind, c.link) == (kind, link)]
+            cells += [ms(sum(c.seconds * c.executions for c in chosen)),
+                      ms(sum(c.stall * c.executions for c in chosen))]
+        lines.append(f"| {kind}, {link} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
