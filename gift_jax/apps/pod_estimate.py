@@ -523,4 +523,3 @@ def compare(a: Replay, b: Replay, top: int = 20) -> str:
                       ms(sum(c.stall * c.executions for c in chosen))]
         lines.append(f"| {kind}, {link} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
