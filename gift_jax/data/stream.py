@@ -54,8 +54,10 @@ from gift_jax.data.errors import DataError
 from gift_jax.data.tokenized import stream_dtype
 
 #: Documents read and tokenized together (one grain element; SentencePiece encodes a chunk in
-#: threads).
-CHUNK_DOCS = 64
+#: threads). A ``text:DIR`` document is at most 32 Ki characters, so a chunk is at most 512 Ki:
+#: what the workers read ahead at start-up (a few chunks each) stays well under a second of
+#: tokenizing, time the first steps share the host's cores with.
+CHUNK_DOCS = 16
 #: Chunks read ahead per reader (the main process, or each worker): host memory stays a few
 #: chunks per worker even when documents are whole books.
 PREFETCH_CHUNKS = 2
@@ -130,7 +132,7 @@ class ReadChunk:
             self._order = docs.repeat(None) if self.endless else docs
         return self._order
 
-    def __call__(self, chunk: int) -> list[tuple[int, np.ndarray]]:
+    def __call__(self, chunk: int) -> tuple[list[int], list[int], bytes]:
         order, n = self._global_order(), len(self.reader)
         local = range(chunk * CHUNK_DOCS, (chunk + 1) * CHUNK_DOCS)
         pairs = [(i, self.layout.position(i)) for i in local]
@@ -145,8 +147,28 @@ class ReadChunk:
         fresh = iter([np.concatenate([tokens.astype(dtype), eos]) if text else eos[:0]
                       for text, tokens in zip(texts, self.tokenizer.encode_batch(texts)
                                               if texts else [], strict=True)])
-        return [(i, next(fresh) if ids is None else ids)
-                for (i, _), ids in zip(pairs, found, strict=True)]
+        ids = [next(fresh) if cached is None else cached for cached in found]
+        return ([i for i, _ in pairs], [int(t.size) for t in ids],
+                b"".join(np.asarray(t, dtype).tobytes() for t in ids))
+
+
+def unpack_chunk(chunk: tuple[list[int], list[int], bytes], dtype) -> list[tuple[int, np.ndarray]]:
+    """``[(i, tokens of local document i + EOS)]`` of a chunk as :class:`ReadChunk` returns it:
+    the documents' indices, their token counts and their tokens as one ``bytes`` (one
+    pickled object per chunk: grain would put each array of a list in a shared-memory segment
+    of its own, and leave those in flight behind when the iterator stops).
+
+    Args:
+      chunk: ``(indices, lengths, payload)``.
+      dtype: the token dtype of ``payload``.
+
+    Returns:
+      One ``(index, tokens)`` pair per document, the tokens a read-only view of ``payload``.
+    """
+    indices, lengths, payload = chunk
+    tokens = np.frombuffer(payload, dtype)
+    bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    return [(i, tokens[a:b]) for i, a, b in zip(indices, bounds[:-1], bounds[1:], strict=True)]
 
 
 def _cause(error: Exception) -> str:
@@ -163,8 +185,9 @@ class LaneBatches:
 
     def __init__(self, chunks: Iterator, layout: LaneLayout, length: int,
                  resume: list[tuple[int, int]] | None, first_doc: int, describe: str,
-                 loop: bool, builder=None):
+                 loop: bool, builder=None, dtype=np.uint16):
         self._chunks, self._layout, self._length = chunks, layout, length
+        self._dtype = dtype
         self._local = layout.local
         self._describe, self._loop = describe, loop
         self._lanes: list[deque] = [deque() for _ in range(self._local)]  # [i, tokens, offset]
@@ -173,16 +196,26 @@ class LaneBatches:
         # on resume, per local lane: (first unconsumed local document, its tokens consumed)
         self._resume = resume
         self._resume_until = max(f for f, _ in resume) if resume else -1
-        self._done = False
+        self._done = self._closed = False
         self._emitted = 0
         self._builder = builder  # the id cache's background process, if any
 
     def close(self) -> None:
-        """Stops the id cache's builder (shards it finished stay cached)."""
+        """Stops the reading workers at once and the id cache's builder (shards it finished
+        stay cached); the iterator yields nothing after it."""
+        _close_iterator(self._chunks)
+        self._chunks = iter(())
+        self._done = self._closed = True
         if self._builder is not None and self._builder.is_alive():
             self._builder.terminate()
             self._builder.join()
         self._builder = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown: nothing left to stop
+            pass
 
     def __iter__(self) -> LaneBatches:
         return self
@@ -213,7 +246,7 @@ class LaneBatches:
             raise DataError(f"{self._describe}: a data worker failed ({_cause(e)}); rerun "
                             "with --config.data.workers=0 to see it in the main process"
                             ) from None
-        for i, tokens in chunk:
+        for i, tokens in unpack_chunk(chunk, self._dtype):
             lane = i % self._local
             self._next_doc = max(self._next_doc, i + 1)
             offset = 0
@@ -228,6 +261,8 @@ class LaneBatches:
         return True
 
     def __next__(self) -> np.ndarray:
+        if self._closed:
+            raise StopIteration
         while not self._done and self._held.min() < self._length:
             self._done = not self._pull()
         if self._held.min() < self._length:
@@ -378,7 +413,28 @@ def stream_batches(
         chunks = chunks.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     start = (first_doc // CHUNK_DOCS) * CHUNK_DOCS
     return LaneBatches(iter(chunks), layout, seq_len + 1, resume, start,
-                       f"split {split!r} of {source.name}", loop, builder)
+                       f"split {split!r} of {source.name}", loop, builder,
+                       stream_dtype(tokenizer.vocab_size))
+
+
+def _close_iterator(chunks) -> None:
+    """Stops a grain iterator's prefetching and its worker processes now.
+
+    Newer grain iterators have ``close()``; the multiprocessing iterator of grain 0.2.12 has
+    none, and its pool is stopped by closing the generator it iterates inside the pool's
+    context (otherwise the workers run on until the process exits, and the interpreter waits
+    for them).
+
+    Args:
+      chunks: the iterator of chunks (``to_iter_dataset``, possibly ``mp_prefetch``).
+    """
+    close = getattr(chunks, "close", None)
+    if callable(close):
+        close()
+        return
+    inner = getattr(chunks, "_iterator", None)
+    if inner is not None and callable(getattr(inner, "close", None)):
+        inner.close()
 
 
 def _saved_lanes(state: dict | str) -> list[tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""A generated text corpus of any size, for data-pipeline benchmarks (``bench_stream.py``).
+"""A generated text corpus of any size, for data-pipeline benchmarks (``bench_stream.py``,
+``bench_first_batch.py``).
 
 Documents are paragraphs of sentences over a Zipf-distributed vocabulary of pronounceable
 words (``s ∝ rank^-1.1``, 60 000 words of 1–4 syllables), lengths drawn like web text (a
@@ -106,9 +107,48 @@ def write_corpus(directory: str | pathlib.Path, total_bytes: int, *, seed: int =
                 size += len(text.encode())
                 batch += 1
             # hidden (a leading dot): a text:DIR corpus skips it if a run stops before the
-            # rename (gift_jax.data.builder.list_text_files)
+            # rename (gift_jax.data.text_files.list_text_files)
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(chunks))
+            tmp.rename(path)
+        files.append(path)
+        written += path.stat().st_size
+        index += 1
+    return files
+
+
+def write_books(directory: str | pathlib.Path, total_bytes: int, *, seed: int = 0,
+                file_bytes: int = 5 << 20) -> list[pathlib.Path]:
+    """Writes at least ``total_bytes`` of generated documents as plain-text "books" of about
+    ``file_bytes`` each under ``directory`` (``book-NNNNN.txt``: the documents as paragraphs
+    separated by blank lines, the layout of books, dumps and scraped text); returns them.
+    Files already there are kept; each is written under a hidden temporary name first, as in
+    :func:`write_corpus`.
+
+    Args:
+      directory: the output directory (created if missing).
+      total_bytes: the least total size of the files, in bytes (existing files count).
+      seed: the random seed (file ``i``'s paragraphs depend on ``seed + 1000 * i``).
+      file_bytes: each new file's least size, in bytes (filled in batches of 512 paragraphs).
+
+    Returns:
+      The paths ``directory/book-NNNNN.txt``, in order.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    words = vocabulary(seed=seed)
+    files, written, index = [], 0, 0
+    while written < total_bytes:
+        path = directory / f"book-{index:05d}.txt"
+        if not path.exists():
+            paragraphs, size, batch = [], 0, 0
+            while size < file_bytes:
+                docs = documents(512, seed=seed + 1000 * index + batch, words=words)
+                paragraphs += docs
+                size += sum(len(d.encode()) + 2 for d in docs)
+                batch += 1
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("\n\n".join(paragraphs) + "\n")
             tmp.rename(path)
         files.append(path)
         written += path.stat().st_size

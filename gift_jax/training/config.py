@@ -35,6 +35,7 @@ from etils import epath
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
 from gift_jax.comm.collectives import EXCHANGES
 from gift_jax.data.storage import is_remote, local_or_url
+from gift_jax.data.text_files import corpus_bytes
 from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
 from gift_jax.training.defaults import default_config
 from gift_jax.training.mesh import mesh_shape
@@ -71,10 +72,13 @@ PROJECTORS = ("plumage", "galore", "flora")
 #: ``data.pipeline`` values (:func:`gift_jax.training.loop.data_batches`); ``"auto"`` (the
 #: default) is resolved to one of the others by :func:`resolve_data_pipeline`.
 PIPELINES = ("auto", "grid", "stream")
-#: The one corpus whose grid pass before step 1 is known to be small: the bundled plays
-#: (about 5 MB; a few seconds with any tokenizer). ``data.pipeline='auto'`` takes ``grid``
-#: for it and ``stream`` for every ``text:``/``tfds:`` corpus, whose size it cannot know.
+#: The bundled corpus: the plays (about 5 MB; its grid pass takes a few seconds with any
+#: tokenizer), which ``data.pipeline='auto'`` reads with the grid.
 BUNDLED_CORPUS = "shakespeare"
+#: The largest ``text:DIR`` corpus ``data.pipeline='auto'`` reads with the grid: its one pass
+#: before step 1 (tokenizing the train split) takes a few seconds up to this size, about what
+#: starting the stream's worker processes takes, and the grid then costs nothing per step.
+GRID_AUTO_BYTES = 16_000_000
 #: Settings whose default changed, with the value they had before: a checkpoint that lacks
 #: one ran with it (:func:`config_differences`, :func:`resolve_data_pipeline`).
 FORMER_DEFAULTS: dict[str, Any] = {"data.pipeline": "grid"}
@@ -566,13 +570,14 @@ def resolve_data_pipeline(config: ml_collections.ConfigDict) -> str | None:
 
     ``auto`` becomes, in this order:
 
-    * the pipeline the newest checkpoint in ``train.workdir`` was written with (``grid`` for
-      one written before the setting existed, when ``grid`` was the default), so that a run
+    * the pipeline the newest checkpoint in ``train.workdir`` was written with (``grid`` for one
+      written before the setting existed, when ``grid`` was the default), so that a run
       resumes with the batches it was reading;
-    * ``grid`` for the bundled corpus (:data:`BUNDLED_CORPUS`): its pass over the whole split
-      before step 1 is small, and the demo's figures are the grid's;
-    * ``stream`` for ``text:DIR`` and ``tfds:NAME`` corpora: nothing but the first batch's
-      documents is read before step 1, whatever the corpus's size.
+    * ``grid`` for the bundled corpus (:data:`BUNDLED_CORPUS`) and for a ``text:DIR`` corpus of
+      at most :data:`GRID_AUTO_BYTES`: its pass over the train split before step 1 is as short
+      as the stream's start-up, and it costs nothing per step after;
+    * ``stream`` for a larger ``text:DIR`` corpus and for ``tfds:NAME`` corpora (of any size):
+      nothing is read before step 1 but the first batch's documents.
 
     An explicit ``grid`` or ``stream`` is left as it is. The resolved value is what the run
     stores with its checkpoints.
@@ -588,14 +593,24 @@ def resolve_data_pipeline(config: ml_collections.ConfigDict) -> str | None:
     workdir = config.train.get("workdir", "")
     stored = _checkpoint_pipeline(workdir)
     source = config.data.get("source", BUNDLED_CORPUS)
+    scheme, _, directory = source.partition(":")
+    size = corpus_bytes(os.path.expanduser(directory)) if scheme == "text" else None
+    stream_why = "nothing is read before step 1 but the first batch's documents"
     if stored in ("grid", "stream"):
         pipeline, why = stored, f"the pipeline of the checkpoints in {workdir}"
     elif source == BUNDLED_CORPUS:
         pipeline, why = "grid", (f"the bundled corpus ({BUNDLED_CORPUS}) is small enough to "
                                  "read whole before step 1")
+    elif size is not None and size <= GRID_AUTO_BYTES:
+        pipeline, why = "grid", (f"{source} holds {size / 1e6:.1f} MB, at most "
+                                 f"{GRID_AUTO_BYTES / 1e6:.1f} MB: its one pass before step 1 "
+                                 "is as short as the stream's start-up")
+    elif size is not None:
+        pipeline, why = "stream", (f"{source} holds {size / 1e6:.1f} MB, more than "
+                                   f"{GRID_AUTO_BYTES / 1e6:.1f} MB, the grid's pass would "
+                                   f"delay step 1; {stream_why}")
     else:
-        pipeline, why = "stream", (f"{source} is read as training consumes it, nothing "
-                                   "before step 1 but the first batch's documents")
+        pipeline, why = "stream", f"{source} may be of any size; {stream_why}"
     with config.unlocked():
         config.data.pipeline = pipeline
     return f"data.pipeline=auto -> {pipeline!r}: {why}"

@@ -164,7 +164,8 @@ def default_config() -> ml_collections.ConfigDict:
     # "grid": windows of the split's whole token stream (one pass over it before step 1) |
     # "stream": documents read, tokenized and packed as training consumes them (grain workers) |
     # "auto": the pipeline a checkpoint in the workdir was written with; else "grid" for the
-    # bundled corpus (its pass is small) and "stream" for text:/tfds: corpora (any size)
+    # bundled corpus and text:DIR corpora of at most 16 MB (their pass is short), "stream" for
+    # larger text:DIR and every tfds: corpus
     data.pipeline = "auto"
     data.workers = -1  # stream: worker processes that read and tokenize (-1: the host's cores)
     # stream: a local directory where a background process caches the ids per shard of

@@ -729,6 +729,7 @@ class Trainer:
             self.evaluate()
         self.save()
         summary = self.summary()
+        self.progress.close()  # the summary goes on a line of its own, below the bar
         if self.is_main:
             if self.workdir:
                 (epath.Path(self.workdir) / "summary.json").write_text(

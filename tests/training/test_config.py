@@ -25,6 +25,7 @@ from gift_jax.training import (
     validate_config,
 )
 from gift_jax.training.config import (
+    GRID_AUTO_BYTES,
     config_differences,
     load_config,
     nothing_to_communicate,
@@ -342,12 +343,22 @@ def _with_data(source="shakespeare", workdir="", **fields):
     return set_fields(tiny(), {"data.source": source, "train.workdir": workdir, **fields})
 
 
-@pytest.mark.parametrize("source,pipeline", [("shakespeare", "grid"), ("text:/corpus", "stream"),
-                                             ("tfds:c4/en:3.0.1", "stream")])
-def test_auto_pipeline_streams_every_corpus_but_the_bundled_one(source, pipeline, caplog):
-    """The default ``auto`` takes the grid for the bundled corpus only (its pass is small, and
-    the demo's figures are the grid's), the stream for a corpus of unknown size; validation
-    resolves it in place and says so in one line; an explicit setting wins."""
+@pytest.mark.parametrize("source,pipeline,why", [
+    ("shakespeare", "grid", "bundled"), ("small", "grid", "MB, at most 16.0 MB"),
+    ("big", "stream", "MB, more than 16.0 MB"), ("text:/no/such/corpus", "stream", "any size"),
+    ("tfds:c4/en:3.0.1", "stream", "any size")])
+def test_auto_pipeline_reads_small_corpora_whole_and_streams_the_rest(source, pipeline, why,
+                                                                      caplog, tmp_path):
+    """The default ``auto`` takes the grid for the bundled corpus and a ``text:DIR`` corpus of
+    at most GRID_AUTO_BYTES (their pass before step 1 is short), the stream for a larger one
+    and for a corpus of unknown size; validation resolves it in place and says why in one
+    line; an explicit setting wins."""
+    if source in ("small", "big"):
+        (tmp_path / "a.txt").write_text("some text\n" * 100)
+        if source == "big":  # a sparse file: its size, not its bytes, is what auto reads
+            with open(tmp_path / "b.txt", "wb") as f:
+                f.truncate(GRID_AUTO_BYTES)
+        source = f"text:{tmp_path}"
     assert complete_config(ml_collections.ConfigDict()).data.pipeline == "auto"
     config = _with_data(source)
     with caplog.at_level(logging.INFO, logger="gift_jax.training.config"):
@@ -355,7 +366,7 @@ def test_auto_pipeline_streams_every_corpus_but_the_bundled_one(source, pipeline
     assert config.data.pipeline == pipeline
     lines = [r.getMessage() for r in caplog.records if "data.pipeline" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"data.pipeline=auto -> {pipeline!r}: ")
-    assert ("bundled" in lines[0]) is (pipeline == "grid")
+    assert why in lines[0], lines[0]
     validate_config(config, 8)  # resolved: nothing more to say
     assert len([r for r in caplog.records if "data.pipeline" in r.getMessage()]) == 1
     for explicit in ("grid", "stream"):
