@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.learning_rate = 3e-3  # peak
     config.optimizer.final_learning_rate = 3e-4  # end of the cosine
     config.optimizer.warmup_steps = 30  # 10% of the run
+    config.optimizer.warmup_fraction = 0.1  # shorter runs warm up over their first 10%
 
     config.train.global_batch_size = 8  # 1024 tokens per step (divisible by 8 replicas)
     config.train.seq_len = 128  # tokens per sequence

@@ -451,7 +451,11 @@ def _validate_optimizer(config) -> None:
     _positive_int(config, f"{opt}.warmup_steps", minimum=0)
     _positive_int(config, f"{opt}.schedule_steps", minimum=0)
     _choice(config, "train.extend_schedule", EXTEND_SCHEDULE)
-    warmup, steps = config.optimizer.warmup_steps, schedule_length(config)
+    fraction = _number(config, f"{opt}.warmup_fraction", low=0)
+    if fraction >= 1:
+        raise ConfigError(f"optimizer.warmup_fraction={fraction:g} must be in [0, 1) (the "
+                          "longest warmup, as a share of the schedule; 0: no cap)")
+    warmup, steps = warmup_length(config), schedule_length(config)
     length = ("train.num_steps" if not config.optimizer.schedule_steps
               else "optimizer.schedule_steps")
     if warmup >= steps:
@@ -852,6 +856,23 @@ def _translate_flat(flat: dict[str, Any]) -> dict[str, Any]:
         flat["comm.codec"], flat["comm.method"] = translate_legacy_mode(
             flat.pop("comm.mode"), flat.get("comm.codec"))
     return flat
+
+
+def warmup_length(config: ml_collections.ConfigDict) -> int:
+    """Steps of the linear warmup: ``optimizer.warmup_steps``, capped by
+    ``optimizer.warmup_fraction`` of the schedule (at least one step) when that is set, so a
+    short run of a config keeps a warmup that fits it.
+
+    Args:
+      config: a completed config.
+
+    Returns:
+      The warmup's length in steps.
+    """
+    warmup, fraction = config.optimizer.warmup_steps, config.optimizer.get("warmup_fraction", 0)
+    if fraction:
+        warmup = min(warmup, max(1, int(fraction * schedule_length(config))))
+    return int(warmup)
 
 
 def schedule_length(config: ml_collections.ConfigDict) -> int:

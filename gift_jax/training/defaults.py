@@ -52,6 +52,9 @@ def default_config() -> ml_collections.ConfigDict:
     opt.learning_rate = 3e-3  # peak learning rate (after warmup)
     opt.final_learning_rate = 3e-4  # learning rate at the end of the decay
     opt.warmup_steps = 30  # linear warmup from 0 to the peak (< train.num_steps)
+    # > 0: the warmup is at most this share of the schedule (at least 1 step), so a short run
+    # of a config (--config.train.num_steps=12) keeps a warmup that fits; 0: no cap
+    opt.warmup_fraction = 0.0
     opt.schedule = "cosine"  # decay after warmup: "cosine" | "linear" | "constant"
     opt.weight_decay = 0.0  # decoupled weight decay
     opt.b1 = 0.9  # Adam first-moment decay

@@ -49,8 +49,9 @@ log = logging.getLogger("gift_jax.training")
 
 
 def learning_rate_schedule(opt: Any, num_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to ``opt.learning_rate``, then cosine/linear decay to
-    ``opt.final_learning_rate`` at ``num_steps`` (or constant).
+    """Linear warmup from 0 to ``opt.learning_rate`` over ``opt.warmup_steps`` (at most
+    ``opt.warmup_fraction`` of ``num_steps``, at least 1 step, where that is set), then
+    cosine/linear decay to ``opt.final_learning_rate`` at ``num_steps`` (or constant).
 
     Args:
       opt: the optimizer settings (:class:`~gift_jax.training.recipe.OptimizerOptions`, or
@@ -61,6 +62,9 @@ def learning_rate_schedule(opt: Any, num_steps: int) -> optax.Schedule:
       The schedule.
     """
     peak, final, warmup = opt.learning_rate, opt.final_learning_rate, opt.warmup_steps
+    fraction = getattr(opt, "warmup_fraction", 0)  # caps the warmup at a share of the run
+    if fraction:
+        warmup = min(warmup, max(1, int(fraction * num_steps)))
     decay = max(num_steps - warmup, 1)
     if opt.schedule == "cosine":
         after = optax.cosine_decay_schedule(peak, decay, alpha=final / peak if peak else 0.0)

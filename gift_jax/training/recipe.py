@@ -37,6 +37,7 @@ from gift_jax.training.config import (
     ConfigError,
     schedule_length,
     validate_config,
+    warmup_length,
 )
 from gift_jax.training.mesh import DEFAULT_RULES
 from gift_jax.training.method import CommPlan, GiftPlan, PlumagePlan
@@ -65,12 +66,14 @@ def _typed(cls: type, group: Mapping[str, Any], **resolved: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions:
     """The ``optimizer`` group, typed (see :func:`gift_jax.training.defaults.default_config`
-    for each setting). ``schedule_steps`` is resolved: the schedule's length in steps."""
+    for each setting). ``schedule_steps`` is resolved: the schedule's length in steps;
+    ``warmup_steps`` too: the warmup's (``optimizer.warmup_fraction`` applied)."""
 
     name: str
     learning_rate: float
     final_learning_rate: float
     warmup_steps: int
+    warmup_fraction: float
     schedule: str
     weight_decay: float
     b1: float
@@ -376,7 +379,8 @@ class Recipe:
         tc = config.train
         comm = CommOptions.of(config.comm, tc.seed, bool(model_config.scan_layers))
         optimizer = _typed(OptimizerOptions, config.optimizer,
-                           schedule_steps=schedule_length(config))
+                           schedule_steps=schedule_length(config),
+                           warmup_steps=warmup_length(config))
         gift_options = _typed(GiftOptions, config.gift, layers=tuple(config.gift.layers),
                               route_frame=route_frame(config))
         plumage_options = _typed(PlumageOptions, config.plumage,

@@ -34,6 +34,27 @@ def test_schedule_warms_up_then_decays_to_the_final_rate(tiny_config, kind):
                                    rel=1e-4)
 
 
+def test_warmup_fraction_caps_the_warmup_of_a_short_run(tiny_config):
+    """tiny (30 warmup steps, warmup_fraction 0.1) validates at 12 steps with a warmup of 1
+    step, keeps its 30 steps at 300; the recipe and the schedule agree; a fraction outside
+    [0, 1) is one line naming the setting."""
+    from gift_jax.training.config import ConfigError, validate_config, warmup_length
+
+    assert tiny_config.optimizer.warmup_fraction == 0.1
+    short = set_fields(tiny_config, {"train.num_steps": 12})
+    validate_config(short, 8)
+    assert warmup_length(short) == 1 and recipe_of(short).optimizer.warmup_steps == 1
+    lr = learning_rate_schedule(short.optimizer, 12)
+    assert float(lr(0)) == 0.0 and float(lr(1)) == pytest.approx(3e-3)
+    assert warmup_length(set_fields(tiny_config, {"train.num_steps": 300})) == 30
+    with pytest.raises(ConfigError, match=r"optimizer.warmup_fraction=1 must be in \[0, 1\)"):
+        validate_config(set_fields(tiny_config, {"optimizer.warmup_fraction": 1.0}), 8)
+    uncapped = set_fields(tiny_config, {"optimizer.warmup_fraction": 0.0,
+                                         "train.num_steps": 12})
+    with pytest.raises(ConfigError, match=r"warmup_steps=30 must be < train.num_steps=12"):
+        validate_config(uncapped, 8)
+
+
 def test_nonfinite_update_is_skipped_and_the_state_kept():
     tx = skip_nonfinite(optax.chain(record_grad_norm(), optax.adam(0.1)))
     params = {"w": jnp.ones(3)}
