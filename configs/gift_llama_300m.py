@@ -31,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.max_seq_len = 4096  # = train.seq_len
     config.model.norm_eps = 1e-5  # Megatron default
     config.model.dtype = "bfloat16"  # bf16 matmuls, fp32 parameters
-    config.model.attention_impl = "jax"  # cuDNN flash attention on GPU (T = 4096)
+    config.model.attention_impl = "flash"  # cuDNN flash attention on GPU (T = 4096), Pallas on TPU
     config.model.remat = True  # activations of 4096-token sequences do not fit otherwise
 
     config.optimizer.name = "muon"  # Muon on matrices (AdamW on embeddings, norms)

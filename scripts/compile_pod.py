@@ -14,15 +14,25 @@ partitioning is the same, temporaries and schedule are XLA:CPU's)::
     python scripts/compile_pod.py --config llama_1b --devices 64 --mesh 8,8,1 --mesh 8,4,2
     python scripts/compile_pod.py --config tiny --devices 16 --mesh 2,4,2 --set model.num_layers=2
 
-The output says which compiler ran. With ``--topology`` each (mesh, mode) compiles in a child
-process (the compiler's host memory is returned after each; a libtpu abort fails one row, not
-the table; exit status 3 when any did not compile). See :mod:`gift_jax.apps.pod`.
+With XLA:GPU (``pip install -e ".[gpu-aot]"``: jax's CUDA plugin and ptxas, no GPU needed),
+for ``--hosts`` nodes of a ``--gpu`` (``h100``: 8 per node on NVLink, ``gh200``: 4) joined by
+``--link`` (the network per GPU: ``ib100`` ... ``ib800``, ``slingshot200``); ``data`` runs
+across the nodes, ``fsdp``/``tensor`` and ``--intra`` replicas inside one::
+
+    python scripts/compile_pod.py --config gift_llama_600m --gpu h100 --hosts 8 --mesh 64,1,1
+    python scripts/compile_pod.py --config gift_llama_600m --gpu gh200 --hosts 16 --intra 4
+
+The output says which compiler ran. With ``--topology`` or ``--gpu`` each (mesh, mode)
+compiles in a child process (the compiler's host memory is returned after each; a compiler
+abort fails one row, not the table; exit status 3 when any did not compile). See
+:mod:`gift_jax.apps.pod`.
 """
 
 import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,6 +43,14 @@ def parse_args(argv=None):
     parser.add_argument("--topology", default=None,
                         help="a TPU slice to compile for with libtpu: v5p-128, v5e-256, "
                              "v6e-64, v4-128 ... or v5p:4x4x4")
+    parser.add_argument("--gpu", default=None,
+                        help="an NVIDIA GPU to compile for with XLA:GPU: h100, gh200")
+    parser.add_argument("--hosts", type=int, default=1, help="--gpu: nodes (data spans them)")
+    parser.add_argument("--gpus_per_host", type=int, default=None,
+                        help="--gpu: GPUs per node (default: the node's, 8 for h100, 4 gh200)")
+    parser.add_argument("--link", default=None,
+                        help="--gpu: the network between nodes, per GPU: ib100, ib200, ib400, "
+                             "ib800, slingshot200 (default: the GPU's usual one)")
     parser.add_argument("--slices", type=int, default=1,
                         help="slices of --topology (multi-slice: data runs across them)")
     parser.add_argument("--devices", type=int, default=None,
@@ -45,16 +63,18 @@ def parse_args(argv=None):
                         help="data replicas that reduce together (in comm.intra_codec) before "
                              "the quantized reduction across the rest (mesh.intra_size): "
                              "'slice' (default: the replicas of one slice when --slices > 1, "
-                             "so only the quantized bytes cross the data-centre network; flat "
-                             "on one slice), 1 (flat) or a number")
+                             "so only the quantized bytes cross the data-centre network; with "
+                             "--gpu the replicas of one node when --hosts > 1; flat on one "
+                             "slice or node), 1 (flat) or a number")
     parser.add_argument("--modes", default="xla_bf16,xla_fp32,fp32,fp8,gift_fp8,plumage_fp8",
                         help="comma-separated, of: xla_bf16, xla_fp32 (XLA's own reduction: a "
                              "plain jit with shardings, the model in bf16 or fp32), fp32, fp8, "
                              "gift_fp8, plumage_fp8")
     parser.add_argument("--flags", default="default", choices=("default", "maxtext", "both"),
-                        help="with --topology: compile with the TPU compiler's defaults, with "
-                             "maxtext's data-parallel overlap flags (pod.overlap_flags), or both "
-                             "(one row each)")
+                        help="with --topology or --gpu: compile with the compiler's defaults, "
+                             "with the overlap flags maxtext users set (pod.overlap_flags: "
+                             "maxtext's TPU flags; on GPU JAX-Toolbox's MaxText flags), or "
+                             "both (one row each)")
     parser.add_argument("--refresh", action="store_true",
                         help="also compile the GIFT/PLUMAGE refresh variants")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -131,7 +151,8 @@ def compiler_options(pairs: list[str]) -> dict[str, bool | int | float | str]:
 
 
 def intra_size(intra: str, data: int, slices: int) -> int:
-    """``mesh.intra_size`` from ``--intra`` for ``data`` replicas on ``slices`` slices."""
+    """``mesh.intra_size`` from ``--intra`` for ``data`` replicas on ``slices`` slices (or
+    GPU nodes)."""
     if intra == "slice":
         return data // slices if slices > 1 else 1
     try:
@@ -144,11 +165,11 @@ def intra_size(intra: str, data: int, slices: int) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.topology and args.devices:
-        print("error: --topology (TPU compiler) and --devices (simulated CPU devices) exclude "
-              "each other", file=sys.stderr)
+    if sum(bool(x) for x in (args.topology, args.devices, args.gpu)) > 1:
+        print("error: --topology (TPU compiler), --gpu (XLA:GPU) and --devices (simulated CPU "
+              "devices) exclude each other", file=sys.stderr)
         return 2
-    devices = args.devices or (None if args.topology else 64)
+    devices = args.devices or (None if args.topology or args.gpu else 64)
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -169,12 +190,20 @@ def main(argv=None) -> int:
     from gift_jax.apps.pod_estimate import chip
     from gift_jax.training.config import ConfigError, apply_overrides, load_config
     from gift_jax.training.mesh import device_grid, mesh_shape
-    from gift_jax.utils import tpu
+    from gift_jax.utils import gpu, tpu
 
     configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
     try:
         topology = None
-        if args.topology:
+        if args.gpu:
+            topology = gpu.parse_gpu_topology(args.gpu, args.hosts, args.gpus_per_host,
+                                              args.link)
+            pod = gpu.topology_devices(topology)
+            spec = topology.spec
+            print(f"compiler: XLA:GPU (jax's CUDA plugin, ptxas), {topology.label}: {len(pod)} "
+                  f"GPUs of {pod[0].device_kind}, {spec.memory_bytes / 2**30:.1f} GiB each",
+                  flush=True)
+        elif args.topology:
             topology = tpu.parse_topology(args.topology, args.slices)
             chip(topology.generation, multislice=topology.slices > 1)  # its bandwidths known
             pod = tpu.topology_devices(topology)
@@ -198,6 +227,7 @@ def main(argv=None) -> int:
                               f"{', '.join([*XLA_MODES, *MODES])}")
         flag_sets = {"default": ["default"], "maxtext": ["maxtext"],
                      "both": ["default", "maxtext"]}[args.flags if topology else "default"]
+        generation = "gpu" if args.gpu else getattr(topology, "generation", "")
         n = len(pod)  # default with --topology: fsdp 8 (fewer on small slices), data the rest
         default = [f"-1,{8 if n >= 16 else max(1, n // 2)},1"] if topology is not None \
             else ["8,8,1", "8,4,2"]
@@ -208,12 +238,19 @@ def main(argv=None) -> int:
             except ValueError:
                 raise ConfigError(f"--mesh {text!r} must be data,fsdp,tensor (ints; one may "
                                   "be -1)") from None
-            sizes = mesh_shape(len(pod), data, fsdp, tensor)
+            try:
+                sizes = mesh_shape(len(pod), data, fsdp, tensor)
+            except ValueError as e:
+                raise ConfigError(f"--mesh {text!r} does not divide the {len(pod)} devices of "
+                                  f"{topology.label if topology else 'this host'}: {e}"
+                                  ) from None
             meshes.append((sizes["data"], sizes["fsdp"], sizes["tensor"]))
             device_grid(meshes[-1], pod)  # one line if it does not fit the chips (or slices)
+            granules = args.hosts if args.gpu else args.slices
             for mode in modes:  # settings errors here, as one line, not as failed children
                 mode_config(config, mode, meshes[-1], len(pod),
-                            intra_size(args.intra, meshes[-1][0], args.slices))
+                            1 if mode in XLA_MODES else
+                            intra_size(args.intra, meshes[-1][0], granules))
         rows, failed = [], []
         for mesh in meshes:
             for mode, flags in ((m, f) for m in modes for f in flag_sets):
@@ -225,19 +262,22 @@ def main(argv=None) -> int:
                                       f"{'x'.join(map(str, mesh))}: {reason}")
                         print(f"error: {failed[-1]}", file=sys.stderr, flush=True)
                 else:
-                    options = overlap_flags(topology.generation) if flags == "maxtext" else {}
+                    options = overlap_flags(generation) if flags == "maxtext" else {}
                     options.update(extra)
-                    label = "+".join(([flags] if flags == "maxtext" else [])
+                    name = "jax-toolbox" if args.gpu else "maxtext"
+                    label = "+".join(([name] if flags == "maxtext" else [])
                                      + [f"{k}={v}" for k, v in extra.items()]) or "-"
+                    granules = args.hosts if args.gpu else args.slices
                     got = [r.row() for r in compile_mode(
                         config, mode, mesh, pod, refresh=args.refresh, topology=topology,
-                        intra=intra_size(args.intra, mesh[0], args.slices),
+                        intra=1 if mode in XLA_MODES  # XLA's own reduction: one axis
+                        else intra_size(args.intra, mesh[0], granules),
                         compiler_options=options or None, flags_label=label,
                         hlo_dir=args.hlo)]
                 for row in got:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError) as e:  # TopologyError, GpuTopologyError too
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = markdown_table(rows)
@@ -249,7 +289,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         name = pathlib.Path(args.config).stem
         if topology is not None:
-            name += "_" + topology.label.replace(" ", "")
+            name += "_" + re.sub(r"[^\w.-]+", "", topology.label.replace(" x ", "x"))
         rows = merge_rows(out / f"{name}.json", rows)
         (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
         (out / f"{name}.md").write_text(markdown_table(rows) + "\n")

@@ -201,3 +201,26 @@ def test_each_row_names_its_hlo_file():
            "variant": "ordinary", "flags": "xla_jf_spmd_threshold_for_windowed_einsum_mib=1"}
     assert pod.hlo_file_name(row) == ("fp8_4x16x1_flat_in_backward_ppermute_ordinary_"
                                       "xla_jf_spmd_threshold_for_windowed_einsum_mib=1.hlo.txt")
+
+
+def test_cudnn_flash_attention_costs_its_matmuls():
+    """A cuDNN flash-attention call is a custom call whose score matrix never reaches HBM: its
+    FLOPs come from the call's intermediate shape (forward 4·B·H·T·S·D, backward 10·…,
+    halved by a causal mask), at the tensor cores' rate for its dtype (GPU: bf16 twice f32)."""
+    config = ('"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "20", '
+              '"2048", "2048"], "tuple_shapes": []}, "is_flash_attention": true, '
+              '"mask_type": "CAUSAL"')
+    q = "bf16[2,2048,20,64]"
+    ops = [f"%q = {q} parameter(0)",
+           f'%fwd = ({q}, f32[2,20,2048]) custom-call(%q, %q, %q), '
+           f'custom_call_target="__cudnn$fmhaSoftmax", backend_config={{{config}}}',
+           f'%bwd = ({q}, {q}, {q}) custom-call(%q, %q, %q), '
+           f'custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={{{config}}}']
+    comps, entry = pe.computations(_module(ops))
+    cluster = pe.GpuCluster(1e12, 2e12, 1e15, 1e11, 1e10, "net", "test")
+    costs = pe._Costs(comps, cluster)
+    types = {i.name: i.type for i in comps[entry]}
+    fwd, bwd = (next(i for i in comps[entry] if i.name == n) for n in ("%fwd", "%bwd"))
+    flops = 4 * 2 * 20 * 2048 * 2048 * 64 / 2
+    assert costs.roofline(fwd, types) == pytest.approx((flops / 1e12, flops))
+    assert costs.roofline(bwd, types) == pytest.approx((2.5 * flops / 1e12, 2.5 * flops))

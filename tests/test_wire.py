@@ -137,6 +137,21 @@ def test_an_async_permute_counts_its_operand_once():
     assert op.kind == "collective-permute" and op.wire_bytes == 1024 * 128
 
 
+@pytest.mark.parametrize("kind,operand,result,wire", [
+    ("all-reduce", "bf16[1280,64]", "bf16[1280,64]", 2 * 7 / 8 * 1280 * 64 * 2),
+    ("all-to-all", "u8[8,100,128]", "u8[8,100,128]", 7 / 8 * 8 * 100 * 128),
+    ("all-gather", "u8[1,100,128]", "u8[8,100,128]", 7 / 8 * 8 * 100 * 128),
+    ("all-gather", "u8[1,100,128], u8[1,100,128]", "(u8[8,100,128], u8[8,100,128])",
+     2 * 7 / 8 * 8 * 100 * 128)])
+def test_a_gpu_async_start_counts_its_results_once(kind, operand, result, wire):
+    """XLA:GPU's async starts return ``((operands), results)``: the bytes are the results'
+    (a combined all-gather's two), not operands and results added up."""
+    line = (f"  %{kind}-start.1 = (({operand}), {result}) {kind}-start(%p), channel_id=1, "
+            "replica_groups=mesh['data'=8] {'data'}, use_global_device_ids=true")
+    (op,) = gj.parse_hlo(line, num_devices=8).ops
+    assert op.kind == kind and op.wire_bytes == pytest.approx(wire)
+
+
 def _loop(step: int, bound: int) -> tuple[str, list[str], list[str]]:
     """A while loop as the TPU compiler prints a windowed einsum's: ``i < bound``, ``i += step``
     (its scheduled HLO has no known_trip_count)."""

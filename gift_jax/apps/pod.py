@@ -99,15 +99,40 @@ OVERLAP_FLAGS: dict[str, dict[str, bool]] = {
 }
 
 
-def overlap_flags(generation: str) -> dict[str, bool]:
-    """maxtext's data-parallel overlap flags for a TPU generation (:data:`OVERLAP_FLAGS`).
+#: The XLA:GPU flags NVIDIA's JAX-Toolbox recommends for MaxText on H100 (its
+#: ``docs/frameworks/maxtext/README.md``; ``docs/GPU_performance.md`` explains each): the
+#: latency-hiding scheduler, combine thresholds that make one collective of a layer's
+#: gradients, pipelined (loop-carried) all-gathers, reduce-scatters and all-reduces, double
+#: buffering of scanned loops, and no rematerialization pass. XLA in jax 0.12 has no
+#: ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}`` options any more
+#: ("No such compile option"): optimization level O1 enables the pipelining, as
+#: ``GPU_performance.md`` now says, so it stands for them here. (The README's
+#: ``xla_gpu_enable_command_buffer=`` is a runtime setting, left out of a compile.)
+GPU_OVERLAP_FLAGS: dict[str, bool | int | str] = {
+    "optimization_level": "O1",
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 30,
+    "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 27,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_all_gather_combine_by_dim": False,
+    "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
+    "xla_disable_hlo_passes": "rematerialization",
+}
+
+
+def overlap_flags(generation: str) -> dict[str, bool | int | str]:
+    """The overlap flags maxtext users set: maxtext's data-parallel flags for a TPU generation
+    (:data:`OVERLAP_FLAGS`), JAX-Toolbox's MaxText flags on GPU (:data:`GPU_OVERLAP_FLAGS`).
 
     Args:
-      generation: ``v4``, ``v5e``, ``v5p`` or ``v6e``.
+      generation: ``v4``, ``v5e``, ``v5p``, ``v6e`` or ``gpu``.
 
     Returns:
       The compiler options.
     """
+    if generation == "gpu":
+        return dict(GPU_OVERLAP_FLAGS)
     return {**OVERLAP_FLAGS["common"], **OVERLAP_FLAGS.get(generation, {})}
 
 
@@ -204,8 +229,8 @@ class PodCompile:
     fp32_local_bytes: float  # an fp32 ring all-reduce of this device's shard over 'data'
     fp32_replicated_bytes: float  # an fp32 ring all-reduce of the whole model over all devices
     compile_s: float
-    compiler: str = "XLA:CPU"  # "TPU" (libtpu) or "XLA:CPU" (simulated devices)
-    topology: str = ""  # e.g. "v5p-128", "2 x v5e-256"; "" on simulated devices
+    compiler: str = "XLA:CPU"  # "TPU" (libtpu), "XLA:GPU" or "XLA:CPU" (simulated devices)
+    topology: str = ""  # e.g. "v5p-128", "2 x v5e-256", "8 x 8 H100 (ib400)"; "" simulated
     hbm_bytes: int = 0  # one chip's HBM (0: unknown, simulated devices)
     dcn_bytes: float = 0.0  # per device and step, sent across slices (MegaScale send/recv)
     ici_bytes: float = 0.0  # per device and step, collectives inside a slice (multi-slice)
@@ -215,6 +240,8 @@ class PodCompile:
     estimate: pod_estimate.Replay | None = None  # the step time (TPU compiler only)
     flags: str = "-"  # "maxtext": compiled with overlap_flags(); "-": the defaults
     schedule: str = ""  # ", in backward" (comm.reduce_in) and ", ppermute" (comm.exchange)
+    network_bytes: float = 0.0  # per device and step, collectives whose groups span GPU nodes
+    kernels: int = -1  # Pallas kernels compiled into the program (-1: not counted, XLA:CPU)
 
     @property
     def total_bytes(self) -> int:
@@ -242,6 +269,10 @@ class PodCompile:
         if self.dcn_bytes or self.ici_bytes:
             row["dcn_MiB"] = round(self.dcn_bytes / 2**20, 1)
             row["ici_MiB"] = round(self.ici_bytes / 2**20, 1)
+        if self.compiler == "XLA:GPU":
+            row["net_MiB"] = round(self.network_bytes / 2**20, 1)
+        if self.kernels >= 0:
+            row["kernels"] = self.kernels
         if self.overlap is not None:
             o = self.overlap
             row["async"] = f"{o.asynchronous}/{o.collectives}"
@@ -253,10 +284,14 @@ class PodCompile:
             ms = lambda t: float(f"{t * 1e3:.4g}")
             data_comm = e.comm_s(axes=axes) + e.comm_s("DCN")
             data_stall = e.stall_s(axes=axes) + e.stall_s("DCN")
-            row.update({"flags": self.flags, "optimal_ms": ms(e.optimal_seconds),
-                        "compute_ms": ms(e.compute_s),
-                        "ici_ms": ms(e.comm_s("ICI")), "dcn_ms": ms(e.comm_s("DCN")),
-                        "exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
+            links = (("ici_ms", "ICI"), ("dcn_ms", "DCN")) if self.compiler == "TPU" else (
+                ("nvlink_ms", "NVLink"), ("net_ms", None))
+            row.update({"flags": self.flags} | ({"optimal_ms": ms(e.optimal_seconds)}
+                                                if self.compiler == "TPU" else {}))
+            row["compute_ms"] = ms(e.compute_s)
+            for key, link in links:  # the network: every link but NVLink
+                row[key] = ms(e.comm_s(link) if link else e.comm_s() - e.comm_s("NVLink"))
+            row.update({"exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
                         "data_covered": round(max(0.0, 1 - data_stall / data_comm), 3)
                         if data_comm else "-"})
         row["compile_s"] = round(self.compile_s, 1)
@@ -298,6 +333,42 @@ def dcn_bytes(hlo_text: str) -> float:
                 arrays = array_bytes(m.group("type"))  # the payload, then a u32 and a token
                 total += (arrays[0][1] if arrays else 0) * runs.get(comp, 1)
     return total
+
+
+#: The compilers of compile-only devices, by platform.
+COMPILERS = {"tpu": "TPU", "gpu": "XLA:GPU"}
+_KERNEL = re.compile(r'custom_call_target="(?:tpu_custom_call|__gpu\$xla\.gpu\.triton|'
+                     r'mosaic_gpu[\w]*)"')
+
+
+def pallas_kernels(hlo_text: str) -> int:
+    """Pallas kernels compiled into a program: its Mosaic (``tpu_custom_call``), Triton
+    (``__gpu$xla.gpu.triton``, compiled through ptxas) and Mosaic GPU custom calls.
+
+    Args:
+      hlo_text: the compiled module's text.
+
+    Returns:
+      The number of those custom calls in the module (each call site once).
+    """
+    return len(_KERNEL.findall(hlo_text))
+
+
+def across_hosts(report: gift_jax.WireReport, mesh) -> float:
+    """Bytes per device of the collectives whose groups span GPU nodes (processes): what
+    crosses the network between nodes.
+
+    Args:
+      report: the step's wire report (parsed with ``mesh``: its groups are positions in the
+        mesh's device order).
+      mesh: the mesh the step was compiled for.
+
+    Returns:
+      The summed wire bytes of those collectives.
+    """
+    devices = mesh.devices.reshape(-1)
+    return float(sum(op.wire_bytes for op in report.ops
+                     if len({devices[i].process_index for i in op.group}) > 1))
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str, mesh_shape: Sequence[int],
@@ -417,8 +488,10 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         devices; ``None``: ``jax.devices()``.
       refresh: the refresh variant as well (GIFT/PLUMAGE); a mode without one compiles only
         the ordinary step.
-      topology: the :class:`gift_jax.utils.tpu.Topology` the devices come from (TPU compile):
-        fills ``topology``, ``hbm_bytes`` and the DCN/ICI split; ``None``: not a TPU job.
+      topology: the :class:`gift_jax.utils.tpu.Topology` (TPU compile) or
+        :class:`gift_jax.utils.gpu.GpuTopology` (XLA:GPU compile) the devices come from: fills
+        ``topology``, ``hbm_bytes``, the DCN/ICI split or the bytes across GPU nodes, and the
+        step-time estimate; ``None``: simulated CPU devices.
       intra: replicas that reduce together first (``mesh.intra_size``; the replicas of one
         slice make only the quantized reduction cross the data-centre network).
       compiler_options: XLA/TPU compiler options of the step (e.g. :func:`overlap_flags`),
@@ -446,7 +519,8 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
     local = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(
         jax.tree.leaves(params), jax.tree.leaves(program.step.param_shardings), strict=True))
     n = len(devices)
-    tpu = devices[0].platform == "tpu"
+    platform = devices[0].platform
+    tpu = platform == "tpu"
     out = []
     xla = mode in XLA_MODES
     for variant in (False,) if xla else program.step.variants():
@@ -464,8 +538,11 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
         if tpu and topology is not None:
             estimate = pod_estimate.estimate(compiled, mesh, topology.generation,
                                              multislice=topology.slices > 1, hlo_text=text)
+        elif platform == "gpu" and topology is not None:
+            estimate = pod_estimate.replay(text, 0.0, pod_estimate.GpuCluster.of(topology),
+                                           mesh)
         inside = report.within(model_axes(mesh)).total
-        dcn = dcn_bytes(text) if topology is not None else 0.0
+        dcn = dcn_bytes(text) if tpu and topology is not None else 0.0
         out.append(PodCompile(
             mode=mode, mesh=(data, fsdp, tensor), intra=intra, refresh=variant, params=n_params,
             argument_bytes=int(memory.argument_size_in_bytes),
@@ -474,14 +551,17 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             data_bytes=report.over(data_axes(mesh)).total, model_bytes=inside,
             fp32_local_bytes=2 * (replicas - 1) / replicas * local,
             fp32_replicated_bytes=2 * (n - 1) / n * 4 * n_params,
-            compile_s=seconds, compiler="TPU" if tpu else "XLA:CPU",
+            compile_s=seconds, compiler=COMPILERS.get(platform, "XLA:CPU"),
             topology=topology.label if topology is not None else "",
             hbm_bytes=topology.hbm_bytes if topology is not None else 0,
             dcn_bytes=dcn, ici_bytes=report.total if dcn else 0.0,
-            overlap=schedule_overlap(text, mesh, data_axes(mesh)) if tpu else None,
+            overlap=(schedule_overlap(text, mesh, data_axes(mesh)) if platform in COMPILERS
+                     else None),
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
             flags=flags_label or ("maxtext" if compiler_options else "-"),
-            schedule="" if xla else _schedule(config.comm)))
+            schedule="" if xla else _schedule(config.comm),
+            network_bytes=across_hosts(report, mesh) if platform == "gpu" else 0.0,
+            kernels=pallas_kernels(text) if platform in COMPILERS else -1))
         if hlo_dir is not None:
             path = pathlib.Path(hlo_dir)
             path.mkdir(parents=True, exist_ok=True)

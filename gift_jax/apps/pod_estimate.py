@@ -1,5 +1,5 @@
-"""A train step's time on a TPU pod, estimated from the compiled program and the chip's
-published figures.
+"""A train step's time on a TPU pod or an NVIDIA GPU cluster, estimated from the compiled
+program and the hardware's published figures.
 
 No pod is run. The step is compiled for a pod's devices (:mod:`gift_jax.apps.pod`), and its
 scheduled HLO is replayed in order (:func:`replay`) against :data:`CHIPS`:
@@ -16,11 +16,16 @@ scheduled HLO is replayed in order (:func:`replay`) against :data:`CHIPS`:
    counts a collective's HBM reads and writes like any op's but not its time on the links
    (checked: a lone 256 MiB ``psum`` and an elementwise op of its size get the same figure).
 2. **Communication.** Each collective's bytes per device (the bus model of
-   :mod:`gift_jax.comm.wire`) over the link it crosses: ICI inside a slice, at half the
-   chip's bidirectional ICI bandwidth (every port sending at once: a lower bound on the
-   time of a collective that uses only some ports), and the data-centre network (DCN)
-   across slices for the MegaScale ``send`` payloads of a multi-slice job
-   (:func:`gift_jax.apps.pod.dcn_bytes`).
+   :mod:`gift_jax.comm.wire`) over the link it crosses. TPU (:class:`Chip`): ICI inside a
+   slice, at half the chip's bidirectional ICI bandwidth (every port sending at once: a lower
+   bound on the time of a collective that uses only some ports), and the data-centre network
+   (DCN) across slices for the MegaScale ``send`` payloads of a multi-slice job
+   (:func:`gift_jax.apps.pod.dcn_bytes`). GPU (:class:`GpuCluster`): NCCL's bus model,
+   the bus bytes over NVLink's per-direction bandwidth for a group inside one node; across
+   nodes a ring's bus bandwidth is the NICs' aggregate of the group's GPUs on a node (capped
+   by NVLink), an all-to-all sends what leaves the node through each GPU's own NIC
+   (:meth:`GpuCluster.collective`); plus a launch latency per collective (XLA's analytical
+   SoL defaults for H100: 45 µs, and 31 µs more across nodes).
 3. **Overlap, from the schedule.** A compute op advances the clock by its time; an
    asynchronous collective's ``*-start`` puts it on its link's queue (one collective at a
    time per link, in issue order) and its ``*-done`` waits for it; a synchronous collective
@@ -28,12 +33,17 @@ scheduled HLO is replayed in order (:func:`replay`) against :data:`CHIPS`:
    is the estimated step time; what it exceeds the compute by is the **exposed**
    communication, the part that compute does not cover.
 
+On GPU a matmul runs at the tensor cores' dense peak for its operands' dtype (bf16/f16;
+fp8; f32 as TF32 at half the bf16 rate, XLA:GPU's default precision), and the compiled
+program's ``cost_analysis()`` is ``None`` (no ``optimal_seconds`` column).
+
 The estimate is a model, and states its assumptions: compute at the roofline (a lower
 bound: real MFU is lower, so the estimate is optimistic and the exposed share of the step
 is if anything overstated), Pallas kernels (``custom-call``) costed by their bytes only,
-links at their published peak, no latency per collective, collectives on one link
-serialised in issue order, and a loop's collectives overlapping only inside their own
-iteration. ``tests/test_pod_estimate.py`` checks the replay on hand-written schedules;
+links at their published peak, no latency per collective on TPU, collectives on one link
+serialised in issue order, NCCL's kernels taking no SMs from the compute they overlap, and a
+loop's collectives overlapping only inside their own iteration.
+``tests/test_pod_estimate.py`` checks the replay on hand-written schedules;
 the README compares it with a published maxtext figure.
 """
 
@@ -64,6 +74,36 @@ class Chip:
     ici_bandwidth: float  # bytes/s, bidirectional, all ports together
     dcn_bandwidth: float | None  # bytes/s one way per chip; None: not published
     source: str
+
+    def matmul_rate(self, dtype: str) -> float:
+        """Dense matmul FLOP/s for operands of HLO dtype ``dtype``: the bf16 peak for every
+        dtype (the MXU's f32 matmuls are passes of bf16 ones, left out as before).
+
+        Args:
+          dtype: the operands' HLO element type (``bf16``, ``f32``...).
+
+        Returns:
+          FLOP/s.
+        """
+        del dtype
+        return self.peak_flops
+
+    def collective(self, kind: str, wire_bytes: float, group: Sequence[int],
+                   mesh) -> tuple[str, float]:
+        """``(link, seconds)`` of one collective inside a slice: its bus bytes over ICI at half
+        the bidirectional bandwidth, no latency.
+
+        Args:
+          kind: the collective's kind (unused: every kind moves its bus bytes).
+          wire_bytes: its bytes per device (bus model).
+          group: the device positions of one of its groups (unused: one link in a slice).
+          mesh: the mesh (unused).
+
+        Returns:
+          ``("ICI", seconds)``.
+        """
+        del kind, group, mesh
+        return "ICI", wire_bytes / (self.ici_bandwidth / 2)
 
 
 #: The chips whose bandwidths are known, with their sources (Cloud TPU's system-architecture
@@ -111,6 +151,113 @@ def chip(generation: str, *, multislice: bool = False) -> Chip:
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuCluster:
+    """Published figures of a GPU cluster (:mod:`gift_jax.utils.gpu`): the GPU's tensor-core
+    peaks and HBM, NVLink inside a node, the network between nodes."""
+
+    peak_flops: float  # dense bf16 FLOP/s
+    peak_fp8_flops: float
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s per GPU and direction
+    network_bandwidth: float  # bytes/s per GPU and direction between nodes
+    network: str  # the link's name (gift_jax.utils.gpu.LINKS)
+    source: str
+    gpus_per_host: int = 8  # a node's GPUs: device position // this is the node, without a mesh
+    launch_latency: float = 45e-6  # per NCCL collective (XLA's SoL default for H100)
+    network_latency: float = 31e-6  # added across nodes (XLA's SoL round trip for H100)
+
+    @classmethod
+    def of(cls, topology) -> GpuCluster:
+        """The figures of a :class:`gift_jax.utils.gpu.GpuTopology`.
+
+        Args:
+          topology: the cluster.
+
+        Returns:
+          Its :class:`GpuCluster`.
+        """
+        from gift_jax.utils.gpu import LINKS
+
+        g = topology.spec
+        return cls(g.peak_flops, g.peak_fp8_flops, g.hbm_bandwidth, g.nvlink_bandwidth,
+                   topology.link_bandwidth, topology.link,
+                   f"{g.source}; {topology.link}: {LINKS[topology.link][1]}",
+                   topology.gpus_per_host)
+
+    def matmul_rate(self, dtype: str) -> float:
+        """Dense tensor-core FLOP/s for operands of HLO dtype ``dtype``: fp8 at the fp8 peak,
+        f32 as TF32 (half the bf16 peak: XLA:GPU's default matmul precision), else bf16.
+
+        Args:
+          dtype: the operands' HLO element type.
+
+        Returns:
+          FLOP/s.
+        """
+        if dtype.startswith("f8"):
+            return self.peak_fp8_flops
+        return self.peak_flops / 2 if dtype == "f32" else self.peak_flops
+
+    def nodes(self, group: Sequence[int], mesh) -> list[int]:
+        """The node (process) of each device of ``group`` (positions in ``mesh``'s device
+        order). Without a mesh, position ``i`` is on node ``i // gpus_per_host`` (the meshes
+        of :func:`gift_jax.training.mesh.device_grid` put nodes outermost).
+
+        Args:
+          group: device positions.
+          mesh: the mesh the step was compiled for, or ``None``.
+
+        Returns:
+          One node index per device.
+        """
+        if mesh is not None:
+            devices = mesh.devices.reshape(-1)
+            return [devices[i].process_index for i in group]
+        return [i // self.gpus_per_host for i in group]
+
+    def collective(self, kind: str, wire_bytes: float, group: Sequence[int],
+                   mesh) -> tuple[str, float]:
+        """``(link, seconds)`` of one NCCL collective by its bus bytes per GPU.
+
+        Inside one node: over NVLink, plus the launch latency. Across nodes, with ``g`` of
+        the group's GPUs on each node (each GPU with its own NIC): a ring (all-reduce,
+        reduce-scatter, all-gather) runs one channel per NIC and reaches a bus bandwidth of
+        ``min(NVLink, g · NIC)`` (nccl-tests' multi-node busbw of a DGX is its NICs'
+        aggregate); an all-to-all sends the ``(P − g)/(P − 1)`` of its bus bytes bound for
+        other nodes through the GPU's NIC while the rest crosses NVLink; a
+        collective-permute is one send through the NIC. Latency: the launch, plus the
+        network's round trip.
+
+        Args:
+          kind: ``all-reduce``, ``reduce-scatter``, ``all-gather``, ``all-to-all`` or
+            ``collective-permute``.
+          wire_bytes: its bytes per GPU (bus model of :mod:`gift_jax.comm.wire`).
+          group: the device positions of one of its groups.
+          mesh: the mesh the step was compiled for, or ``None``.
+
+        Returns:
+          ``(link name, seconds)``: ``"NVLink"``, or the network's name across nodes.
+        """
+        if not wire_bytes or len(group) < 2:
+            return "NVLink", 0.0
+        nodes = self.nodes(group, mesh)
+        count = len(set(nodes))
+        if count == 1:
+            return "NVLink", wire_bytes / self.nvlink_bandwidth + self.launch_latency
+        p, g = len(group), max(1, len(group) // count)
+        latency = self.launch_latency + self.network_latency
+        nic, nvl = self.network_bandwidth, self.nvlink_bandwidth
+        if kind == "all-to-all":
+            seconds = max(wire_bytes * (p - g) / (p - 1) / nic,
+                          wire_bytes * (g - 1) / (p - 1) / nvl)
+        elif kind == "collective-permute":
+            seconds = wire_bytes / nic
+        else:
+            seconds = wire_bytes / min(nvl, g * nic)
+        return self.network, seconds + latency
+
+
 # ---- the scheduled HLO ---------------------------------------------------------------------
 
 _CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations|called_computations)="
@@ -155,6 +302,12 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
     return out, "" if entry is None else f"%{entry}"
 
 
+def _dtype(type_str: str) -> str:
+    """The element type of an HLO array type (``bf16[2,3]{1,0}`` → ``bf16``)."""
+    m = re.match(r"\s*\(?\s*(\w+)\[", type_str)
+    return m.group(1) if m else ""
+
+
 def _dims(type_str: str) -> list[int]:
     m = re.search(r"\[([\d,]*)\]", type_str)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
@@ -186,22 +339,48 @@ def _flops(ins: Instr, types: Mapping[str, str]) -> float:
     return 2.0 * out * per_output / (int(groups.group(1)) if groups else 1)
 
 
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
+
+
+def _attention_flops(ins: Instr, types: Mapping[str, str]) -> float:
+    """Matmul FLOPs of a cuDNN flash-attention call (``__cudnn$fmha*``): the forward's two
+    matmuls (``QKᵀ``, ``PV``: ``4·B·H·T·S·D``), the backward's five (``10·B·H·T·S·D``: the
+    scores recomputed, ``dV``, ``dP``, ``dQ``, ``dK``; FlashAttention-2's count), halved
+    under a causal mask (cuDNN skips the masked tiles). ``B, H, T, S`` come from the call's
+    ``intermediate_tensor_shape``, ``D`` from the query's last dimension."""
+    m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]',
+                  ins.attrs)
+    query = _dims(types.get(ins.operands[0], "")) if ins.operands else []
+    if not m or not query:
+        return 0.0
+    b, h, t, s = (int(x.strip().strip('"')) for x in m.group(1).split(","))
+    per = 10.0 if "Backward" in (_FMHA.search(ins.attrs).group(0)) else 4.0
+    causal = 0.5 if '"mask_type": "CAUSAL"' in ins.attrs else 1.0
+    return per * b * h * t * s * query[-1] * causal
+
+
 @dataclasses.dataclass
 class _Costs:
     """Roofline seconds of compute ops of a module's computations on a chip."""
 
     comps: dict[str, list[Instr]]
-    chip: Chip
+    chip: Chip | GpuCluster
 
-    def flops_of(self, comp: str, depth: int = 0) -> float:
+    def matmuls_of(self, comp: str, depth: int = 0) -> tuple[float, float]:
+        """``(FLOPs, seconds)`` of the matmuls in ``comp`` (fusions' included), each at the
+        chip's rate for its operands' dtype (:meth:`Chip.matmul_rate`)."""
         types = {i.name: i.type for i in self.comps.get(comp, ())}
-        total = 0.0
+        flops = seconds = 0.0
         for ins in self.comps.get(comp, ()):
             if ins.op in ("convolution", "dot"):
-                total += _flops(ins, types)
+                f = _flops(ins, types)
+                dtype = _dtype(types.get(ins.operands[0], "")) if ins.operands else ""
+                flops, seconds = flops + f, seconds + f / self.chip.matmul_rate(dtype)
             elif ins.op == "fusion" and depth < 4:
-                total += sum(self.flops_of(c, depth + 1) for c in ins.called())
-        return total
+                for c in ins.called():
+                    f, t = self.matmuls_of(c, depth + 1)
+                    flops, seconds = flops + f, seconds + t
+        return flops, seconds
 
     def seconds(self, ins: Instr, types: Mapping[str, str]) -> float:
         """Roofline time of one compute instruction (a fusion, matmul, kernel, copy...)."""
@@ -210,12 +389,20 @@ class _Costs:
     def roofline(self, ins: Instr, types: Mapping[str, str]) -> tuple[float, float]:
         """``(roofline seconds, FLOPs)`` of one compute instruction."""
         moved = self.bytes_moved(ins, types)
-        flops = 0.0
+        flops = matmul_s = 0.0
         if ins.op in ("convolution", "dot"):
             flops = _flops(ins, types)
+            dtype = _dtype(types.get(ins.operands[0], "")) if ins.operands else ""
+            matmul_s = flops / self.chip.matmul_rate(dtype)
         elif ins.op == "fusion":
-            flops = sum(self.flops_of(c) for c in ins.called())
-        return max(flops / self.chip.peak_flops, moved / self.chip.hbm_bandwidth), flops
+            for c in ins.called():
+                f, t = self.matmuls_of(c)
+                flops, matmul_s = flops + f, matmul_s + t
+        elif ins.op == "custom-call" and _FMHA.search(ins.attrs):
+            flops = _attention_flops(ins, types)
+            dtype = _dtype(types.get(ins.operands[0], "")) if ins.operands else ""
+            matmul_s = flops / self.chip.matmul_rate(dtype)
+        return max(matmul_s, moved / self.chip.hbm_bandwidth), flops
 
     def bytes_moved(self, ins: Instr, types: Mapping[str, str]) -> float:
         """HBM bytes one instruction reads and writes: its operands (an operand read twice,
@@ -287,7 +474,7 @@ class Collective:
     """One collective of the schedule, as the replay costed it."""
 
     kind: str
-    link: str  # "ICI" or "DCN"
+    link: str  # "ICI" or "DCN" (TPU); "NVLink" or the network's name (GPU)
     bytes: float  # per device (bus model), per execution
     seconds: float  # per execution, at the link's bandwidth
     stall: float  # per execution: time the schedule waited for it (not covered by compute)
@@ -383,13 +570,14 @@ def _collective_line(ins: Instr, comps: Mapping[str, list[Instr]]) -> Instr | No
 _DCN = re.compile(r"xla_megascale_runtime")
 
 
-def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
+def replay(hlo_text: str, optimal_seconds: float, chip_: Chip | GpuCluster, mesh) -> Replay:
     """Replays the scheduled HLO of a compiled step (see the module docstring).
 
     Args:
       hlo_text: ``compiled.as_text()`` (scheduled order).
-      optimal_seconds: ``compiled.cost_analysis()["optimal_seconds"]``.
-      chip_: the chip's figures (:func:`chip`).
+      optimal_seconds: ``compiled.cost_analysis()["optimal_seconds"]`` (0 on GPU).
+      chip_: the TPU chip's figures (:func:`chip`) or the GPU cluster's
+        (:meth:`GpuCluster.of`).
       mesh: the mesh the step was compiled for (names each collective's axes).
 
     Returns:
@@ -406,7 +594,7 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
         """Replays ``comp`` once (``executions`` times per step); returns its duration,
         compute plus stalls, loops times their trip counts, recording the collectives."""
         nonlocal compute
-        clock, free = 0.0, {"ICI": 0.0, "DCN": 0.0}
+        clock, free = 0.0, {}  # link -> when its queue is free
         pending: dict[str, tuple[float, int]] = {}  # start name -> (finish, index)
         types = {i.name: i.type for i in comps.get(comp, ())}
         for ins in comps.get(comp, ()):
@@ -421,10 +609,12 @@ def replay(hlo_text: str, optimal_seconds: float, chip_: Chip, mesh) -> Replay:
                     report = parse_hlo(coll.line, mesh=mesh)
                     op = report.ops[0] if report.ops else None
                     nbytes, kind = (op.wire_bytes, op.kind) if op else (0.0, coll.op)
-                    axes, link = (op.axes if op else ()), "ICI"
-                bw = chip_.dcn_bandwidth if link == "DCN" else chip_.ici_bandwidth / 2
-                seconds = nbytes / bw if bw else 0.0
-                finish = max(clock, free[link]) + seconds
+                    axes = op.axes if op else ()
+                    link, seconds = chip_.collective(kind, nbytes, op.group if op else (),
+                                                     mesh)
+                if is_send:
+                    seconds = nbytes / chip_.dcn_bandwidth if chip_.dcn_bandwidth else 0.0
+                finish = max(clock, free.get(link, 0.0)) + seconds
                 free[link] = finish
                 found.append(Collective(kind, link, nbytes, seconds, 0.0, executions, axes))
                 asynchronous = ins.op.endswith("-start") or ins.op == "async-start" or is_send

@@ -47,6 +47,9 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<n>\d+),(?P<size>\d+)\]<=\[(?P<d
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
                           r"(?:, device_ids=\((?P<ids>[^ ]*)\))? \{(?P<names>[^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{")
+#: An async start's type that holds its operands as a tuple first (XLA:GPU prints
+#: ``((u8[64,128]), u8[64,128])``): the results follow.
+_OPERANDS_FIRST = re.compile(r"\s*\(\s*\([^()]*\)\s*,\s*(?P<results>.*)\)\s*$")
 _FIRST_PAIR = re.compile(r"source_target_pairs=\{\{(?P<first>\d+,\d+)\}")
 
 
@@ -229,11 +232,16 @@ def parse_hlo(hlo_text: str, num_devices: int | None = None, mesh=None) -> WireR
         m = _LINE.match(line)
         if not m:
             continue
-        kind, arrays = m.group("op"), array_bytes(m.group("type"))
+        kind, type_str = m.group("op"), m.group("type")
+        nested = _OPERANDS_FIRST.match(type_str) if m.group("start") else None
+        if nested:  # XLA:GPU's async starts: ((operands), results): count the results once
+            type_str = nested.group("results")
+        arrays = array_bytes(type_str)
         if m.group("start"):  # the TPU compiler's async starts also carry u32[] sync scalars
-            arrays = [a for a, shape in zip(arrays, _ARRAY.finditer(m.group("type")),
+            arrays = [a for a, shape in zip(arrays, _ARRAY.finditer(type_str),
                                             strict=True) if shape.group("dims")]
-        if m.group("start") and kind in ("all-gather", "collective-permute") and len(arrays) > 1:
+        if (m.group("start") and not nested and kind in ("all-gather", "collective-permute")
+                and len(arrays) > 1):
             # async start ops return (operands, results): keep the results for all-gather,
             # the operand for collective-permute
             half = len(arrays) // 2
