@@ -5,6 +5,8 @@ data axis (across the nodes, with the node's replicas reducing first over NVLink
 that fits the GPU, and a step-time estimate from the scheduled HLO. Skipped, with one line,
 where the ``gpu-aot`` extra is not installed (the newest CI pair installs it)."""
 
+import pathlib
+
 import jax
 import pytest
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
@@ -96,3 +98,13 @@ def test_tiny_fp8_step_compiles_for_h100_nodes(tiny_config, hosts, tmp_path):
             op.wire_bytes for op in report.ops
             if len({flat[i].process_index for i in op.group}) > 1))
         assert {c.link for c in e.collectives if c.bytes > 1024} == {"NVLink", "ib400"}
+
+
+def test_a_mesh_that_does_not_divide_the_cluster_is_one_line(capsys):
+    import runpy
+
+    main = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "scripts" /
+                              "compile_pod.py"))["main"]
+    assert main(["--config", "tiny", "--gpu", "h100", "--hosts", "2", "--mesh", "5,1,1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "5,1,1" in err and "16 devices" in err, err
