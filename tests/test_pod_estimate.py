@@ -163,6 +163,22 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
     assert moved["%u"] == moved["%d"] == 2 * mib  # unfused: the layer, read and written
 
 
+def test_a_slice_of_a_combined_buffer_costs_the_slice():
+    """XLA:GPU reduces many gradients as one combined all-reduce and slices each out of its
+    result (a fusion of a static ``slice``): each slice reads its own bytes, not the buffer."""
+    combined, part = "bf16[33554432]", "bf16[1048576]"  # 64 MiB and 2 MiB
+    fused = (f"%cut (s: {combined}) -> {part} {{\n  %s = {combined} parameter(0)\n"
+             f"  ROOT %sl = {part} slice(%s), slice={{[1048576:2097152]}}\n}}\n\n")
+    ops = [f"%buf = {combined} parameter(0)",
+           f"%a = {part} fusion(%buf), kind=kLoop, calls=%cut",
+           f"%b = {part} slice(%buf), slice={{[0:1048576]}}"]
+    comps, entry = pe.computations(_module(ops, extra=fused))
+    costs = pe._Costs(comps, CHIP)
+    types = {i.name: i.type for i in comps[entry]}
+    moved = {i.name: costs.bytes_moved(i, types) for i in comps[entry] if i.op != "parameter"}
+    assert moved == {"%a": 4 * 2**20, "%b": 4 * 2**20}  # 2 MiB read, 2 MiB written
+
+
 def test_compute_by_op_adds_up_and_two_steps_compare_op_by_op(tmp_path):
     """Every op's compute lands under one label (kind and layout-free type; ``matmul`` where it
     does FLOPs), loops times their trips; ``compare`` and ``scripts/compare_pod_steps.py`` put
