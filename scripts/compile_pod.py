@@ -89,6 +89,9 @@ def parse_args(argv=None):
     parser.add_argument("--hlo", default=None, metavar="DIR",
                         help="with --topology: also write each row's compiled HLO text to "
                              "DIR (for scripts/compare_pod_steps.py)")
+    parser.add_argument("--from_hlo", default=None, metavar="DIR",
+                        help="with --gpu and --out: compile nothing; re-estimate the table's rows "
+                             "of these GPUs and nodes from their HLO in DIR (--hlo's) on --link")
     parser.add_argument("--in_process", action="store_true",
                         help="with --topology: compile every (mesh, mode) in this process "
                              "instead of one child process each")
@@ -219,6 +222,10 @@ def main(argv=None) -> int:
                   "temporaries and schedule are XLA:CPU's)", flush=True)
         config = load_config(args.config, configs)
         config = apply_overrides(config, [tuple(s.split("=", 1)) for s in args.set])
+        if args.from_hlo:
+            if not (args.gpu and args.out):
+                raise ConfigError("--from_hlo re-estimates a --gpu table: give --gpu and --out")
+            return _reestimate(args, topology, config)
         extra = compiler_options(args.option)
         modes = args.modes.split(",")
         unknown = [m for m in modes if m not in {**MODES, **XLA_MODES}]
@@ -287,13 +294,42 @@ def main(argv=None) -> int:
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = pathlib.Path(args.config).stem
-        if topology is not None:
-            name += "_" + re.sub(r"[^\w.-]+", "", topology.label.replace(" x ", "x"))
+        name = _table_name(args.config, topology)
         rows = merge_rows(out / f"{name}.json", rows)
         (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
         (out / f"{name}.md").write_text(markdown_table(rows) + "\n")
     return 3 if failed else 0
+
+
+def _table_name(config: str, topology) -> str:
+    """``--out``'s file stem of a config's table on a topology."""
+    name = pathlib.Path(config).stem
+    if topology is not None:
+        name += "_" + re.sub(r"[^\w.-]+", "", topology.label.replace(" x ", "x"))
+    return name
+
+
+def _reestimate(args, topology, config) -> int:
+    """``--from_hlo``: the rows of every table of these GPUs and nodes in ``--out`` whose HLO
+    is in the folder, replayed on ``--link``, written to this link's table."""
+    from gift_jax.apps.pod import markdown_table, reestimate_gpu_rows
+
+    out = pathlib.Path(args.out)
+    rows = []
+    stem = _table_name(args.config, topology)
+    prefix = stem[:stem.rindex(topology.link) - 1] if topology.link in stem else stem
+    for path in sorted(out.glob(f"{prefix}*.json")):
+        rows += reestimate_gpu_rows(json.loads(path.read_text()), pathlib.Path(args.from_hlo),
+                                    topology, config)
+    if not rows:
+        print(f"error: no rows of {topology.label} with HLO in {args.from_hlo} in {out}",
+              file=sys.stderr)
+        return 2
+    merged = merge_rows(out / f"{stem}.json", rows)
+    (out / f"{stem}.json").write_text(json.dumps(merged, indent=1))
+    (out / f"{stem}.md").write_text(markdown_table(merged) + "\n")
+    print(markdown_table(rows))
+    return 0
 
 
 #: What identifies a row of a table in --out: a later compile of the same key replaces it.

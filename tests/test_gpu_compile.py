@@ -98,6 +98,11 @@ def test_tiny_fp8_step_compiles_for_h100_nodes(tiny_config, hosts, tmp_path):
             op.wire_bytes for op in report.ops
             if len({flat[i].process_index for i in op.group}) > 1))
         assert {c.link for c in e.collectives if c.bytes > 1024} == {"NVLink", "ib400"}
+        # the same HLO re-estimated on a 4x slower network, no compile (--from_hlo)
+        slow = gpu.parse_gpu_topology("h100", hosts=2, link="ib100")
+        (again,) = pod.reestimate_gpu_rows([row.row()], tmp_path, slow, config)
+        assert again["topology"] == "2 x 8 H100 (ib100)" and again["mode"] == "fp8"
+        assert again["net_ms"] > row.row()["net_ms"] and again["step_ms"] >= e.step_s * 1e3
 
 
 def test_a_mesh_that_does_not_divide_the_cluster_is_one_line(capsys):

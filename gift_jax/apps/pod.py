@@ -280,22 +280,79 @@ class PodCompile:
                                   if o.compute_between else "-")
             row["matmuls_after_reduction"] = f"{o.matmuls_after}/{o.matmuls}"
         if self.estimate is not None:
-            e, axes = self.estimate, ("data", "intra")
-            ms = lambda t: float(f"{t * 1e3:.4g}")
-            data_comm = e.comm_s(axes=axes) + e.comm_s("DCN")
-            data_stall = e.stall_s(axes=axes) + e.stall_s("DCN")
-            links = (("ici_ms", "ICI"), ("dcn_ms", "DCN")) if self.compiler == "TPU" else (
-                ("nvlink_ms", "NVLink"), ("net_ms", None))
-            row.update({"flags": self.flags} | ({"optimal_ms": ms(e.optimal_seconds)}
-                                                if self.compiler == "TPU" else {}))
-            row["compute_ms"] = ms(e.compute_s)
-            for key, link in links:  # the network: every link but NVLink
-                row[key] = ms(e.comm_s(link) if link else e.comm_s() - e.comm_s("NVLink"))
-            row.update({"exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
-                        "data_covered": round(max(0.0, 1 - data_stall / data_comm), 3)
-                        if data_comm else "-"})
+            row.update(estimate_columns(self.estimate, self.compiler, self.flags))
         row["compile_s"] = round(self.compile_s, 1)
         return row
+
+
+def estimate_columns(e: pod_estimate.Replay, compiler: str, flags: str) -> dict[str, Any]:
+    """A row's step-time columns from its replayed schedule: the flags it was compiled with,
+    the compiler's own ``optimal_ms`` (TPU), compute, each link's time (TPU: ICI and DCN;
+    GPU: NVLink and the network between nodes), exposed communication, the step, and the share
+    of the data-axis reduction that compute covers.
+
+    Args:
+      e: the replay.
+      compiler: the row's compiler (``"TPU"`` or ``"XLA:GPU"``).
+      flags: the row's flags label.
+
+    Returns:
+      The columns, in table order.
+    """
+    ms = lambda t: float(f"{t * 1e3:.4g}")
+    axes = ("data", "intra")
+    data_comm = e.comm_s(axes=axes) + e.comm_s("DCN")
+    data_stall = e.stall_s(axes=axes) + e.stall_s("DCN")
+    links = (("ici_ms", "ICI"), ("dcn_ms", "DCN")) if compiler == "TPU" else (
+        ("nvlink_ms", "NVLink"), ("net_ms", None))
+    out: dict[str, Any] = {"flags": flags}
+    if compiler == "TPU":
+        out["optimal_ms"] = ms(e.optimal_seconds)
+    out["compute_ms"] = ms(e.compute_s)
+    for key, link in links:  # the network: every link but NVLink
+        out[key] = ms(e.comm_s(link) if link else e.comm_s() - e.comm_s("NVLink"))
+    out.update({"exposed_ms": ms(e.exposed_s), "step_ms": ms(e.step_s),
+                "data_covered": round(max(0.0, 1 - data_stall / data_comm), 3)
+                if data_comm else "-"})
+    return out
+
+
+def reestimate_gpu_rows(rows: Sequence[dict[str, Any]], hlo_dir: pathlib.Path, topology,
+                        config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
+    """The GPU rows of a table re-estimated on another network, from their saved HLO (no
+    compile): the rows compiled for ``topology``'s GPUs and nodes (any link) whose HLO file
+    (:func:`hlo_file_name`) is in ``hlo_dir``, their step-time columns replayed on
+    ``topology``'s link and their topology label changed to it.
+
+    Args:
+      rows: a table's rows (``compile_pod.py --out``'s JSON).
+      hlo_dir: where ``compile_pod.py --hlo`` wrote the rows' HLO texts.
+      topology: the :class:`gift_jax.utils.gpu.GpuTopology` to estimate on.
+      config: a trainer config (only its ``mesh`` group is set from each row).
+
+    Returns:
+      The re-estimated rows (the others are left out).
+    """
+    from gift_jax.utils import gpu
+
+    devices = gpu.topology_devices(topology)
+    cluster = pod_estimate.GpuCluster.of(topology)
+    same = re.sub(r"\(\w+\)$", "", topology.label).strip()
+    out = []
+    for row in rows:
+        path = hlo_dir / hlo_file_name(row)
+        if (row.get("compiler") != "XLA:GPU" or not path.exists()
+                or re.sub(r"\(\w+\)$", "", row["topology"]).strip() != same):
+            continue
+        shape = tuple(int(v) for v in row["mesh"].split("x"))
+        intra = 1 if row["reduction"].startswith("flat") else int(row["reduction"].split()[0])
+        sizes = dict(zip(("mesh.data", "mesh.fsdp", "mesh.tensor"), shape, strict=True))
+        mesh = mesh_from_config(set_fields(complete_config(config), {
+            **sizes, "mesh.intra_size": intra}).mesh, devices)
+        e = pod_estimate.replay(path.read_text(), 0.0, cluster, mesh)
+        out.append({**row, "topology": topology.label,
+                    **estimate_columns(e, "XLA:GPU", row["flags"])})
+    return out
 
 
 def _state_bytes(step, mesh) -> int:
