@@ -21,8 +21,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: The models and global batches drawn: sequences per step of seq_len tokens on 64 GPUs;
 #: Llama-7B is sharded over the node's 8 GPUs (fsdp), data-parallel across the 8 nodes.
-MODELS = {"gift_llama_600m": ("64,1,1", (32, 64, 128, 256, 512)),
-          "llama_7b": ("8,8,1", (64, 128, 256, 512))}
+MODELS = {"gift_llama_600m": ("64,1,1", (32, 128, 512)),
+          "llama_7b": ("8,8,1", (64, 256))}
 #: TPU tables of docs/pod and their tokens per step (the configs' global batch x sequence
 #: length: llama_7b 512 x 2048, llama_1b 512 x 256).
 TPU_TOKENS = {"llama_7b_v5p-128": 512 * 2048, "llama_1b_v5p-128": 512 * 256,
