@@ -12,7 +12,7 @@ a Hugging Face ``PATH/tokenizer.json``, or ``spm:N`` / ``bpe:N`` trained on the 
 ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (or set
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) on every process, or
 ``--coordinator_address auto`` where JAX detects the cluster (SLURM, Open MPI, TPU pods).
-Sharded training: ``--config.mesh.data/fsdp/tensor`` (README, "Training on a pod").
+Sharded training: ``--config.mesh.data/fsdp/tensor`` (docs/api/training.md).
 On a CPU host the run is data-parallel over ``--cpu_devices`` simulated devices (8, as the
 demo; an ``XLA_FLAGS`` setting ``--xla_force_host_platform_device_count`` wins): on one device
 there is nothing to communicate. Bad settings end with one ``error:`` line naming the setting

@@ -491,8 +491,8 @@ class AllReduceSpec:
         ``"permute"`` is also what lets the TPU compiler overlap the reduction: it issues a
         ``ppermute`` asynchronously (``collective-permute-start``/``-done``) and schedules
         compute between the two, while it keeps ``all_to_all`` and ``all_gather``
-        synchronous (README, "Reducing in the backward pass"). The bytes are the same by the
-        bus model; the compile takes longer (``P − 1`` exchanges per bucket and phase).
+        synchronous (docs/api/pod.md, "Reducing in the backward pass"). The bytes are the same
+        by the bus model; the compile takes longer (``P − 1`` exchanges per bucket and phase).
 
         Args:
           axis: ``axis_name`` or ``intra_axis``.

@@ -526,7 +526,7 @@ def resolve_tfds_dir(name: str, version: str | None, data_dir: str) -> str:
         raise DataError(
             f"--data tfds:{name}: no prepared dataset {name!r} in --data_dir {data_dir}; "
             f"found: {available}; prepare it once with `tfds build {name} --data_dir "
-            f"{data_dir} --file_format array_record` (README: Data at pod scale), or point "
+            f"{data_dir} --file_format array_record` (docs/api/data.md, C4), or point "
             "--data_dir at a prepared copy")
     if version is None:
         version = versions[-1]
