@@ -118,8 +118,9 @@ def default_config() -> ml_collections.ConfigDict:
     # "backward": group by group inside it, in reverse layer order
     comm.reduce_in = "after"
     comm.bucket_elems = 1 << 24  # bucket size in elements (64 MiB of fp32), as Megatron's
-    # how quantized bytes cross the data axis: "auto" (ppermutes across slices of a
-    # hierarchical mesh) | "all_to_all" | "permute" (ppermutes, which the TPU compiler overlaps)
+    # how quantized bytes cross the data axis: "auto" (ppermutes across TPU slices of a
+    # hierarchical mesh; all_to_all on GPUs, one NCCL launch) | "all_to_all" | "permute"
+    # (ppermutes, which the TPU compiler overlaps)
     comm.exchange = "auto"
 
     # ------------------------------------------------------------------ GIFT whitening
