@@ -237,3 +237,37 @@ def test_vmapped_dense_stacks_per_member():
                                    rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="does not carry"):
         refresh(Ensemble((("params", 0),)), params, x)
+
+
+def test_the_loss_may_take_what_a_train_state_holds():
+    """``loss_fn(apply_fn, params, x)`` captured from ``state.apply_fn`` (``model.apply``) and
+    boxed parameters (``nn.with_partitioning``): the statistics of the module form, bit for
+    bit; any other first argument is one TypeError."""
+    from flax.training import train_state
+
+    class Boxed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, None))
+            h = jax.nn.relu(nn.Dense(DF, kernel_init=init, name="up_proj")(x))
+            return nn.Dense(DM, kernel_init=init, name="down_proj")(h)
+
+    module = Boxed()
+    params = module.init(jax.random.key(0), X)["params"]
+    assert isinstance(params["down_proj"]["kernel"], nn.Partitioned)
+    state = train_state.TrainState.create(apply_fn=module.apply, params=params,
+                                          tx=optax.sgd(0.1))
+
+    def apply_loss(apply_fn, params, x):
+        return jnp.mean(apply_fn({"params": params}, x) ** 2)
+
+    refresh = capture_linen.with_input_stats(apply_loss, ["down_proj"])
+    (loss, stats), grads = jax.jit(lambda p: jax.value_and_grad(
+        lambda p: refresh(state.apply_fn, p, X), has_aux=True)(p))(state.params)
+    (want_loss, want), want_grads = _linen_step(module, ["down_proj"])(params, X)
+    np.testing.assert_array_equal(loss, want_loss)
+    np.testing.assert_array_equal(stats["down_proj/kernel"], want["down_proj/kernel"])
+    assert isinstance(grads["down_proj"]["kernel"], nn.Partitioned)
+    jax.tree.map(np.testing.assert_array_equal, grads, want_grads)
+    with pytest.raises(TypeError, match="the linen module or its apply"):
+        refresh(lambda v, x: x, params, X)

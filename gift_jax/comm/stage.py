@@ -20,7 +20,7 @@ trainer's) takes the same decision everywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -61,17 +61,36 @@ class AllReduceTransformation(optax.GradientTransformation):
       shards: the :class:`LocalShards` it reduces on, or ``None`` (whole leaves).
       groups: the :class:`~gift_jax.comm.layer_groups.LayerGroups` it reduces by, or
         ``None`` (one bucket plan over the whole tree).
+      scattered: the :class:`ScatteredLeaves` it reduce-scatters into shards, or ``None``.
     """
 
     spec: AllReduceSpec
     shards: LocalShards | None
     groups: LayerGroups | None
+    scattered: ScatteredLeaves | None
 
     def __new__(cls, init, update, spec: AllReduceSpec, shards: LocalShards | None = None,
-                groups: LayerGroups | None = None):
+                groups: LayerGroups | None = None, scattered: ScatteredLeaves | None = None):
         self = super().__new__(cls, init, update)
         self.spec, self.shards, self.groups = spec, shards, groups
+        self.scattered = scattered
         return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScatteredLeaves:
+    """The leaves an all-reduce stage reduce-scatters over its data axis instead of reducing
+    whole (FSDP on the data axis: :func:`gift_jax.data_parallel_grad` builds such a stage):
+    their reduced values come back as this device's shard, the slice ``axis_index(axis)`` of
+    dimension ``dims[path]``, every other leaf whole.
+
+    Attributes:
+      axis: the data axis the leaves are split over.
+      dims: ``{leaf path: the dimension split over axis}``.
+    """
+
+    axis: str
+    dims: Mapping[str, int]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -321,10 +340,11 @@ def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree
     """
     spec = allreduce_spec(stage)
     if spec is not None and (spec.intra_axis is not None or allreduce_shards(stage)
-                             or stage.groups is not None):
+                             or stage.groups is not None or allreduce_scattered(stage)):
         # hierarchical: no error feedback (see allreduce); sharded leaves: the bucket plan is
         # of each device's local shards, which `tree` does not show; grouped: one plan per
-        # group, not the tree's; every shard row is zeroed
+        # group, not the tree's; scattered leaves: the plan is of the leaves reduced whole;
+        # every shard row is zeroed
         spec = None
 
     def fix(node):
@@ -352,6 +372,21 @@ def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
       The stage's :class:`~gift_jax.comm.collectives.AllReduceSpec`, or ``None``.
     """
     return stage.spec if isinstance(stage, AllReduceTransformation) else None
+
+
+def allreduce_scattered(stage: optax.GradientTransformation) -> ScatteredLeaves | None:
+    """The :class:`ScatteredLeaves` an all-reduce stage reduce-scatters into shards, or
+    ``None`` (every leaf is reduced whole; any other transformation).
+
+    Args:
+      stage: any optax transformation.
+
+    Returns:
+      The stage's :class:`ScatteredLeaves`, or ``None``.
+    """
+    if not isinstance(stage, AllReduceTransformation):
+        return None
+    return stage.scattered
 
 
 def allreduce_shards(stage: optax.GradientTransformation) -> LocalShards | None:
@@ -397,6 +432,10 @@ def transport_only(stage: optax.GradientTransformation, full_tree: Any,
     spec, shards = allreduce_spec(stage), allreduce_shards(stage)
     if spec is None:
         raise ValueError("transport_only needs a gift_jax.allreduce stage")
+    if allreduce_scattered(stage) is not None:
+        raise ValueError("transport_only: the stage reduce-scatters leaves split over "
+                         f"{allreduce_scattered(stage).axis!r} (FSDP on the data axis); its "
+                         "transport of the whole tree is not one all-reduce")
     if scales_follow_the_packing(stage, full_tree, [p for v in variants for p in v]):
         return [{p: _reduce_as_packed(spec, shards, _substituted(full_tree, v))[p] for p in v}
                 for v in variants]

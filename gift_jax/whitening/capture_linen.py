@@ -13,6 +13,19 @@ Recipe::
         model, params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, gift_stats=stats)
 
+The loss may take the module's ``apply`` instead (what a flax ``TrainState`` keeps:
+``state.apply_fn`` is ``model.apply``): ``loss_fn(apply_fn, params, batch)`` calling
+``apply_fn({"params": params}, x)``, captured as ``refresh_loss(state.apply_fn, params,
+batch)``.  With :func:`gift_jax.data_parallel_grad` the one recipe is its ``refresh_loss=``
+(the statistics go to the stage, beside whatever aux the loss returns)::
+
+    capture = capture_linen.with_input_stats(loss_fn, ["*/mlp_out"])
+    grad_fn = gift_jax.data_parallel_grad(
+        lambda p, b: loss_fn(model.apply, p, b), mesh, wrap=lambda ar: gift_jax.gift(ar, ...),
+        has_aux=True, aux_reduce={"tokens": "sum"},
+        refresh_loss=lambda p, b: capture(model.apply, p, b))
+    loss, grads, comm_state, aux = grad_fn(params, batch, comm_state, refresh=step % 50 == 0)
+
 Why the loss takes the module.  A linen module is stateless: whatever a layer records leaves
 ``apply`` only through a ``mutable=`` collection, and leaves a lifted transform (``nn.scan``,
 ``nn.vmap``) only through a collection the transform carries.  A hook that kept the sums in a
@@ -198,16 +211,32 @@ def _stats(capture: _Capture) -> dict[str, jax.Array]:
     return out
 
 
+def _module_of(model: Any) -> nn.Module:
+    """The linen module of ``model``: the module itself, or the module whose ``apply`` it is
+    (``model.apply``, e.g. a flax ``TrainState``'s ``apply_fn``)."""
+    if isinstance(model, nn.Module):
+        return model
+    owner = getattr(model, "__self__", None)
+    if isinstance(owner, nn.Module) and getattr(model, "__name__", None) == "apply":
+        return owner
+    raise TypeError(
+        f"capture_linen: the loss's first argument must be the linen module or its apply "
+        f"(model.apply, a TrainState's apply_fn), got {model!r}")
+
+
 def with_input_stats(
     loss_fn: Callable[..., Any], layers: Sequence[str]
 ) -> Callable[..., tuple[Any, dict[str, jax.Array]]]:
     """Refresh variant of a linen ``loss_fn(model, *args, **kwargs)``: returns ``(out, stats)``.
 
     ``loss_fn`` takes the linen module first and calls ``model.apply`` itself (e.g.
-    ``loss_fn(model, params, batch)``); see the module docstring for why the capture needs the
-    module rather than a closure over it.  ``out`` is whatever ``loss_fn`` returns (so
-    ``jax.value_and_grad(fn, argnums=1, has_aux=True)(model, params, batch)`` gives
-    ``((loss, stats), grads)``), ``stats`` is ``{kernel path: A = E[x xᵀ]}`` (``lead + (n,
+    ``loss_fn(model, params, batch)``), or takes the module's ``apply`` first and calls it
+    (``loss_fn(apply_fn, params, batch)`` calling ``apply_fn({"params": params}, ...)``: what a
+    flax ``TrainState`` holds, ``state.apply_fn``, which is ``model.apply``); the capture passes
+    a capturing view of the same kind. See the module docstring for why the capture needs the
+    module (or its ``apply``) rather than a closure over it.  ``out`` is whatever ``loss_fn``
+    returns (so ``jax.value_and_grad(fn, argnums=1, has_aux=True)(model, params, batch)``
+    gives ``((loss, stats), grads)``), ``stats`` is ``{kernel path: A = E[x xᵀ]}`` (``lead + (n,
     n)``, fp32), what the NNX :func:`~gift_jax.whitening.capture.with_input_stats` returns for
     the same model and GIFT's ``gift_stats=`` takes.  Works under ``jax.jit`` (the module is
     hashable: a static argument, or close over it) and inside ``jax.shard_map`` (each device's
@@ -215,7 +244,8 @@ def with_input_stats(
 
     Args:
       loss_fn: ``loss_fn(model, *args, **kwargs)``, ``model`` a linen module whose
-        ``model.apply`` the loss calls (any number of times).
+        ``model.apply`` the loss calls (any number of times), or that module's bound
+        ``apply`` (``model.apply``, ``TrainState.apply_fn``) that the loss calls.
       layers: GIFT's layer patterns (a single str is one pattern); each matches the module
         path of an ``nn.Dense`` / ``nn.DenseGeneral`` (``*/mlp/down``) or its kernel path.
 
@@ -225,7 +255,8 @@ def with_input_stats(
       naming ``capture.layers``) for a pattern that selects none of the modules the loss
       called, and ``ValueError`` for a pattern that selects a module other than a Dense, a
       ``DenseGeneral`` with ``batch_dims``, or a selected layer inside an ``nn.scan`` /
-      ``nn.vmap`` that does not carry :data:`COLLECTION`.
+      ``nn.vmap`` that does not carry :data:`COLLECTION`, and ``TypeError`` for a first
+      argument that is neither a linen module nor its ``apply``.
 
     Raises:
       TypeError: ``layers`` is not a str or a sequence of str.
@@ -237,7 +268,9 @@ def with_input_stats(
     @functools.wraps(loss_fn)
     def wrapped(model, *args, **kwargs):
         capture = _Capture(layers)
-        out = loss_fn(CapturingModule(model, capture), *args, **kwargs)
+        module = _module_of(model)
+        view = CapturingModule(module, capture)
+        out = loss_fn(view if model is module else view.apply, *args, **kwargs)
         require_matches(layers, capture.seen + [f"{p}/kernel" if p else "kernel"
                                                 for p in capture.seen],
                         "capture.layers", examples=capture.dense)

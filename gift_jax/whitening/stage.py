@@ -84,6 +84,16 @@ paper's GIFT, bit for bit.  A refresh may pass ``gift_route_updates=`` (a pytree
 ``updates``) to measure the routing on other gradients than the ones it transports: PLUMAGE
 refreshes GIFT on zero coordinates and passes the step's coordinates in the new projection.
 
+FSDP on the data axis.  An inner all-reduce may reduce-scatter some leaves into each
+device's shard (:class:`~gift_jax.comm.stage.ScatteredLeaves`, as
+:func:`gift_jax.data_parallel_grad` builds it for parameters split over its data axis).  GIFT
+whitens the whole per-replica gradient of such a leaf and unwhitens the device's shard of the
+reduced one, which the math allows on the output side (``W·G[:, cols] = (W·G)[:, cols]``: a
+flax ``(in, out)`` kernel split on its second axis) and on a batch axis (each layer of a stack
+with its own factor, sliced to the shard's layers); a selected leaf split on an input
+(reduction) axis, on an output axis with ``two_sided=True``, or any selected split leaf with
+routing on, is refused in one line naming it (:func:`check_scattered`).
+
 Staleness (``track_coverage=True``).  Every step stores :func:`input_coverage`, the fraction of
 each selected layer's input energy its factor's rank-r basis captures: on a refresh from the
 step's reduced ``A`` with the new factor (the reference), on ordinary steps from the sums over a
@@ -109,12 +119,14 @@ import optax
 from gift_jax import whitening as wh
 from gift_jax.comm.overlap import AroundAllReduce, Frame
 from gift_jax.comm.stage import (
+    ScatteredLeaves,
     allreduce_axis,
+    allreduce_scattered,
     allreduce_spec,
     reframe_error_feedback,
     transport_only,
 )
-from gift_jax.utils.axes import pmean, require_per_device
+from gift_jax.utils.axes import axis_size, pmean, require_per_device
 from gift_jax.utils.linalg import map_matrices_grouped
 from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
 from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
@@ -710,10 +722,55 @@ def init_state(s: Settings, params: Any) -> GiftState:
             route_error=zeros(2, b) if s.routing else None, coverage=cov, coverage_ref=cov)
 
     z = jnp.zeros((), jnp.int32)
+    sel = s.select(params)
+    check_scattered(s, sel)
     return GiftState(
         count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z,
-        whitened={path: leaf(lay) for path, lay in s.select(params).items()},
+        whitened={path: leaf(lay) for path, lay in sel.items()},
         inner_state=s.inner.init(params))
+
+
+def check_scattered(s: Settings, sel: Mapping[str, MatrixView]) -> None:
+    """Refuse, in one line naming the leaf and what to do instead, a selected leaf that the
+    inner all-reduce reduce-scatters (split over the data axis, FSDP) where whitening cannot
+    be undone shard by shard. GIFT whitens the input side: ``W·G[:, cols] = (W·G)[:, cols]``,
+    so a leaf split on an output axis (the second axis of a flax ``(in, out)`` kernel) or on a
+    batch axis (a layer of a stack, with its own factor) is unwhitened on each device's shard;
+    a leaf split on an input (reduction) axis is not (``W⁻¹`` mixes every input row), nor, with
+    ``two_sided=True``, one split on an output axis; routing measures whole-leaf transports.
+
+    Args:
+      s: the stage's settings.
+      sel: ``{leaf path: MatrixView}`` of the selected leaves.
+
+    Raises:
+      ValueError: a selected leaf split where its whitening cannot be undone shard by shard.
+    """
+    scattered = allreduce_scattered(s.reduce_stage)
+    if scattered is None:
+        return
+    split = {p: d for p, d in scattered.dims.items() if p in sel}
+    ax = scattered.axis
+    for path, d in split.items():
+        lay = sel[path]
+        if d in lay.reduction_axes:
+            raise ValueError(
+                f"gift: {path!r} is split over {ax!r} on dimension {d}, an input (reduction) "
+                f"dimension of its matrix, which GIFT whitens across and cannot unwhiten on a "
+                f"shard: split it over {ax!r} on an output dimension (e.g. "
+                f"nn.with_partitioning(init, (None, {ax!r})) for a flax (in, out) kernel), "
+                "keep it off the data axis, or leave it out of gift(layers=...)")
+        if s.two_sided and d in lay.output_axes:
+            raise ValueError(
+                f"gift: {path!r} is split over {ax!r} on output dimension {d}, which "
+                "two_sided=True whitens across: use one-sided GIFT (two_sided=False) or keep "
+                f"it off {ax!r}")
+    if split and s.routing:
+        path = next(iter(split))
+        raise ValueError(
+            f"gift: route_frame={s.route_frame!r} measures whole-leaf transports, but {path!r} "
+            f"is split over {ax!r} and reduce-scattered into its shards: use "
+            "route_frame='off' with FSDP on the data axis, or leave it out of gift(layers=...)")
 
 
 def check_stats(name: str, given: Any, want_shapes: Mapping[str, tuple[int, ...]]) -> dict:
@@ -922,7 +979,8 @@ def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_s
 
 
 def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str, Any],
-              fn: Any, use: Mapping[str, jax.Array] | None = None) -> Any:
+              fn: Any, use: Mapping[str, jax.Array] | None = None,
+              scattered: ScatteredLeaves | None = None) -> Any:
     """``fn`` (:func:`~gift_jax.whitening.whiten` or ``unwhiten``) on the selected leaves of
     ``updates``; with ``use`` (``{path: (B,) bool}``) only on the matrices routed through the
     whitened transport — a traced select, so a routing change never recompiles.
@@ -933,6 +991,9 @@ def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str,
       factors: ``{leaf path: factor pytree}`` with a leading (B,) axis.
       fn: ``whiten`` or ``unwhiten`` of one matrix.
       use: ``{leaf path: (B,) bool}``, or ``None`` for every matrix.
+      scattered: the leaves of ``updates`` that are this device's shard of a reduce-scatter
+        (:func:`~gift_jax.comm.stage.allreduce_scattered`; :func:`check_scattered` has
+        allowed them: split on an output or batch axis), or ``None``.
 
     Returns:
       ``updates`` with the selected matrices mapped, in their dtypes.
@@ -942,9 +1003,43 @@ def transform(updates: Any, sel: Mapping[str, MatrixView], factors: Mapping[str,
     for p, x in flat:
         path = leaf_path(p)
         if path in sel:
-            x = map_leaf(sel[path], x, factors[path], fn, None if use is None else use[path])
+            factor, leaf_use = factors[path], None if use is None else use[path]
+            if scattered is not None and path in scattered.dims:
+                factor, leaf_use = shard_factor(sel[path], factor, leaf_use,
+                                                scattered.dims[path], scattered.axis)
+            x = map_leaf(sel[path], x, factor, fn, leaf_use)
         out.append(x)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_factor(lay: MatrixView, factor: Any, use: jax.Array | None, dim: int, axis: str
+                 ) -> tuple[Any, jax.Array | None]:
+    """The factors (and routes) of this device's shard of a leaf split over ``axis`` on
+    dimension ``dim``: all of them for an output axis (whitening acts on the input side, column
+    by column), the slice of this device's matrices for a batch axis.
+
+    Args:
+      lay: the whole leaf's view.
+      factor: its factors, leading (B,) axis.
+      use: its routes ``(B,)``, or ``None``.
+      dim: the dimension split over ``axis`` (an output or batch axis of ``lay``).
+      axis: the mesh axis (bound: inside ``jax.shard_map``).
+
+    Returns:
+      ``(factor, use)`` of the shard's matrices.
+    """
+    if dim not in lay.batch_axes:
+        return factor, use
+    k = lay.batch_axes.index(dim)
+    size = lay.batch_shape[k] // axis_size(axis)
+    start = jax.lax.axis_index(axis) * size
+
+    def cut(x):
+        y = x.reshape(lay.batch_shape + x.shape[1:])
+        y = jax.lax.dynamic_slice_in_dim(y, start, size, axis=k)
+        return y.reshape((-1,) + x.shape[1:])
+
+    return jax.tree.map(cut, factor), None if use is None else cut(use)
 
 
 def map_leaf(lay: MatrixView, x: jax.Array, factor: Any, fn: Any,
@@ -1099,6 +1194,7 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
     """
     require_per_device(updates, s.comm_axis, "gift_jax.gift")
     sel = s.select(updates)
+    check_scattered(s, sel)
     if gift_coverage is not None and (gift_stats is not None or not s.track_coverage):
         raise ValueError("gift: gift_coverage is for the ordinary steps of a "
                          "gift(track_coverage=True) stage (refreshes take gift_stats)")
@@ -1116,7 +1212,8 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
     factors, use = state.member("factor"), state.member("use_whitening") or None
     whitened = transform(updates, sel, factors, wh.whiten, use)
     reduced, inner_state = s.inner.update(whitened, state.inner_state, params, **extra_args)
-    out = transform(reduced, sel, factors, wh.unwhiten, use)
+    out = transform(reduced, sel, factors, wh.unwhiten, use,
+                    allreduce_scattered(s.reduce_stage))
     return out, state._replace(inner_state=inner_state)
 
 
@@ -1185,6 +1282,19 @@ class GiftTransformation(optax.GradientTransformationExtraArgs):
           The :class:`~gift_jax.comm.overlap.AroundAllReduce` of an ordinary step.
         """
         return frame_in_backward(self.settings, params, state)
+
+    def selected_paths(self, params: Any) -> tuple[str, ...]:
+        """The paths of the leaves this stage whitens (every other leaf passes through the
+        inner stage untouched): how :func:`gift_jax.data_parallel_grad` knows which leaves
+        split over the data axis it may reduce-scatter inside the backward pass.
+
+        Args:
+          params: the parameters (or gradients), per device.
+
+        Returns:
+          The selected leaf paths.
+        """
+        return tuple(self.settings.select(params))
 
 
 def gift(
