@@ -255,6 +255,7 @@ def test_compile_pod_script_topology(tmp_path, capsys):
                            "bandwidth for TPU 'v6e'; multi-slice step times are estimated "
                            "for: v5p, v5e"),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh", "3,4,1"),
+                           "--mesh '3,4,1' does not divide the 32 devices of 2 x v5e-16: "
                            "mesh.data=3, mesh.fsdp=4, mesh.tensor=1 multiply to 12, not to "
                            "the number of devices (32)"),
                           (("--topology", "v5e-16", "--slices", "2", "--mesh", "4,8,1"),
