@@ -27,14 +27,14 @@ from gift_jax.training.program import Program
 from gift_jax.training.step import TrainStep
 from gift_jax.utils.tree_paths import leaf_path
 
-BUCKET = 3000  # elements: one 3-layer test model's layer (10k) is over it, so one group each
+BUCKET = 3000  # elements: one test model's layer (10k) is over it, so one group each
 
 
 def _programs(codec: str, scan: bool, accum: int, **extra):
     """The in-backward program and its after-backward twin (same grouped stage)."""
     config = complete_config(small_config("fp8", **{
         "comm.codec": codec, "comm.reduce_in": "backward", "model.scan_layers": scan,
-        "model.num_layers": 3, "train.grad_accum_steps": accum, "comm.bucket_elems": BUCKET,
+        "model.num_layers": 2, "train.grad_accum_steps": accum, "comm.bucket_elems": BUCKET,
         **extra}))
     program = Program(config, make_mesh(fsdp=config.mesh.fsdp, tensor=config.mesh.tensor), FAST)
     step = program.step
@@ -67,22 +67,19 @@ def _two_steps(step, params, opt_state):
     ("int8", True, 1, {"comm.exchange": "permute", "comm.scaling": "block",
                        "comm.block_size": 32}),
     ("fp8_e4m3", False, 2, {"comm.method": "gift", "gift.refresh_every": 2,
-                            "comm.error_feedback": True}),
-    ("fp8_e4m3", False, 1, {"comm.method": "gift", "gift.refresh_every": 2,
                             "comm.error_feedback": True, "comm.stochastic_rounding": True}),
     ("fp8_e4m3", False, 1, {"comm.method": "gift", "gift.refresh_every": 2,
                             "gift.route_frame": "adam", "gift.two_sided": True}),
-    ("fp8_e4m3", False, 2, {"comm.method": "plumage", "comm.error_feedback": True}),
-    ("fp8_e4m3", False, 1, {"comm.method": "plumage", "comm.stochastic_rounding": True}),
+    ("fp8_e4m3", False, 2, {"comm.method": "plumage", "comm.error_feedback": True,
+                            "comm.stochastic_rounding": True}),
     ("fp8_e4m3", False, 2, {"mesh.fsdp": 2, "comm.stochastic_rounding": True,
                             "comm.error_feedback": True}),
     ("fp8_e4m3", True, 1, {"mesh.fsdp": 2, "mesh.tensor": 2, "comm.error_feedback": True}),
     ("fp8_e4m3", False, 1, {"mesh.fsdp": 2, "comm.method": "gift"}),
 ], ids=["fp8_sr_ef_unrolled", "fp8_sr_ef_scanned_accum", "nvfp4_hierarchical_scanned",
-        "fp32_unrolled_accum", "int8_block_permute_scanned", "gift_ef_unrolled_accum",
-        "gift_sr_ef_unrolled", "gift_routed_two_sided_unrolled", "plumage_ef_unrolled_accum",
-        "plumage_sr_unrolled", "fsdp_fp8_sr_ef_unrolled_accum", "fsdp_tensor_fp8_ef_scanned",
-        "fsdp_gift_unrolled"])
+        "fp32_unrolled_accum", "int8_block_permute_scanned", "gift_sr_ef_unrolled_accum",
+        "gift_routed_two_sided_unrolled", "plumage_sr_ef_unrolled_accum",
+        "fsdp_fp8_sr_ef_unrolled_accum", "fsdp_tensor_fp8_ef_scanned", "fsdp_gift_unrolled"])
 def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
     """Two steps (GIFT: a refresh step, which reduces after the backward, then an ordinary
     step with the new factors, reduced inside it)."""
