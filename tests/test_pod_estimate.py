@@ -148,6 +148,10 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
            "%g = bf16[256,1024] parameter(2)", "%l = f32[1,256,1024] parameter(3)",
            f"%r = {layer} fusion(%st, %i), kind=kLoop, calls=%read",
            f"%w = {stack} fusion(%st, %i, %g), kind=kLoop, calls=%write",
+           # XLA:GPU's asynchronous form of the same fusion (a rematerialised layer's
+           # activations written into their stack on another stream)
+           f"%ws = (({stack}, s32[], bf16[256,1024]), {stack}, u32[]) fusion-start(%st, %i, %g),"
+           " kind=kLoop, calls=%write",
            f"%all = {stack} fusion(%st), kind=kLoop, calls=%sum",
            f"%u = {stack} dynamic-update-slice(%st, %l, %i, %i, %i)",
            "%d = f32[1,256,1024] dynamic-slice(%st, %i, %i, %i), "
@@ -159,6 +163,7 @@ def test_a_layer_of_a_stacked_buffer_costs_the_layer_not_the_stack():
     mib = 2**20
     assert moved["%r"] == 2 * mib + 4  # the layer read and written, and the index
     assert moved["%w"] == 0.5 * mib + mib + 4  # bf16 update read, f32 layer written in place
+    assert moved["%ws"] == moved["%w"]
     assert moved["%all"] == 2 * 32 * mib  # a whole-stack op reads and writes the stack
     assert moved["%u"] == moved["%d"] == 2 * mib  # unfused: the layer, read and written
 

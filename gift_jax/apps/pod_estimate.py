@@ -339,6 +339,9 @@ def _flops(ins: Instr, types: Mapping[str, str]) -> float:
     return 2.0 * out * per_output / (int(groups.group(1)) if groups else 1)
 
 
+#: A fusion, or XLA:GPU's asynchronous one (``fusion-start``: the same fused computation run
+#: on another stream, e.g. a rematerialised layer's activations written into their stack).
+_FUSIONS = ("fusion", "fusion-start")
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
 
 
@@ -376,7 +379,7 @@ class _Costs:
                 f = _flops(ins, types)
                 dtype = _dtype(types.get(ins.operands[0], "")) if ins.operands else ""
                 flops, seconds = flops + f, seconds + f / self.chip.matmul_rate(dtype)
-            elif ins.op == "fusion" and depth < 4:
+            elif ins.op in _FUSIONS and depth < 4:
                 for c in ins.called():
                     f, t = self.matmuls_of(c, depth + 1)
                     flops, seconds = flops + f, seconds + t
@@ -394,7 +397,7 @@ class _Costs:
             flops = _flops(ins, types)
             dtype = _dtype(types.get(ins.operands[0], "")) if ins.operands else ""
             matmul_s = flops / self.chip.matmul_rate(dtype)
-        elif ins.op == "fusion":
+        elif ins.op in _FUSIONS:
             for c in ins.called():
                 f, t = self.matmuls_of(c)
                 flops, matmul_s = flops + f, matmul_s + t
@@ -420,7 +423,7 @@ class _Costs:
             return 2 * whole(ins.type)
         if ins.op == "dynamic-update-slice" and len(ins.operands) > 1:
             return 2 * whole(types.get(ins.operands[1], ""))
-        called = ins.called() if ins.op == "fusion" else []
+        called = ins.called() if ins.op in _FUSIONS else []
         body = self.comps.get(called[0], []) if len(called) == 1 else []
         reads = {o: whole(types.get(o, "")) for o in ins.operands}
         if not body:
