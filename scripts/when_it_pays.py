@@ -21,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: The models and global batches drawn: sequences per step of seq_len tokens on 64 GPUs;
 #: Llama-7B is sharded over the node's 8 GPUs (fsdp), data-parallel across the 8 nodes.
-MODELS = {"gift_llama_600m": ("64,1,1", (32, 128, 512)),
+MODELS = {"gift_llama_600m": ("64,1,1", (64, 128, 512)),
           "llama_7b": ("8,8,1", (64, 256))}
 #: TPU tables of docs/pod and their tokens per step (the configs' global batch x sequence
 #: length: llama_7b 512 x 2048, llama_1b 512 x 256).
