@@ -321,16 +321,28 @@ def _tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> 
     kernel = lambda q_, k_, v_: fa.flash_attention(q_, k_, v_, causal=True,
                                                    sm_scale=1.0 / math.sqrt(d),
                                                    block_sizes=sizes)
-    axes = non_manual_axes(min_size=1)
-    if axes:
-        rules = dict(cfg.activation_axes)
-        split = lambda name: _mesh_axes(rules.get(name), axes)
-        spec = jax.sharding.PartitionSpec(split("batch"), split("heads"), None, None)
-        kernel = jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(),
-                               in_specs=(spec,) * 3, out_specs=spec, axis_names=set(axes),
-                               check_vma=False)
     to_bhtd = lambda x: x.transpose(0, 2, 1, 3)
+    kernel = _on_local_shards(kernel, cfg, heads_dim=1)
     return to_bhtd(kernel(to_bhtd(q), to_bhtd(k), to_bhtd(v)))
+
+
+def _on_local_shards(kernel: Callable, cfg: Any, heads_dim: int) -> Callable:
+    """``kernel(q, k, v)`` run on each device's own rows and heads where mesh axes are not
+    manual (the sharded trainer's ``fsdp``/``tensor``): a ``shard_map`` over them, rows split
+    as ``activation_axes['batch']`` and heads (dimension ``heads_dim``) as
+    ``activation_axes['heads']``. A Mosaic kernel cannot be partitioned by GSPMD, and cuDNN's
+    custom partitioning fails inside the trainer's partly manual map (jax 0.12: a
+    ``GSPMDSharding`` where it expects a ``NamedSharding``); with no such axes, ``kernel``."""
+    axes = non_manual_axes(min_size=1)
+    if not axes:
+        return kernel
+    rules = dict(cfg.activation_axes)
+    split = lambda name: _mesh_axes(rules.get(name), axes)
+    dims = [split("batch"), None, None, None]
+    dims[heads_dim] = split("heads")
+    spec = jax.sharding.PartitionSpec(*dims)
+    return jax.shard_map(kernel, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec,) * 3,
+                         out_specs=spec, axis_names=set(axes), check_vma=False)
 
 
 def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -> jax.Array:
@@ -351,8 +363,9 @@ def causal_attention_flash(q: jax.Array, k: jax.Array, v: jax.Array, cfg: Any) -
         return _tpu_flash_attention(q, k, v, cfg)
     if platform == "gpu":
         cudnn = q.dtype in (jnp.bfloat16, jnp.float16)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation="cudnn" if cudnn else None)
+        kernel = lambda q_, k_, v_: jax.nn.dot_product_attention(
+            q_, k_, v_, is_causal=True, implementation="cudnn" if cudnn else None)
+        return _on_local_shards(kernel, cfg, heads_dim=2)(q, k, v)
     return causal_attention_reference(q, k, v)
 
 
