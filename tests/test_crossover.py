@@ -32,7 +32,7 @@ def hlo_root(tmp_path):
     for batch, matmul in ((8, 2048), (64, 4096)):
         folder = tmp_path / crossover.hlo_name("toy", batch)
         folder.mkdir()
-        for mode, nbytes in (("xla_bf16", 1 << 30), ("xla_fp32", 2 << 30), ("fp8", 1 << 28)):
+        for mode, nbytes in (("xla_bf16", 1 << 30), ("fp32", 2 << 30), ("fp8", 1 << 28)):
             (folder / f"{mode}_16x1x1_flat_ordinary_-.hlo.txt").write_text(
                 _step(matmul, nbytes))
         (folder / "fp8_16x1x1_flat_refresh_-.hlo.txt").write_text("ignored")

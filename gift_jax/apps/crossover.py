@@ -5,14 +5,16 @@ A step's communication is fixed by the model (its gradient bytes) while its comp
 with the tokens each device processes, and the network sets what the bytes cost. So the
 ratio of two steps' times is a curve in tokens per device, one curve per link speed:
 
-1. compile (never run) each model's step for a GPU cluster at several global batch sizes,
-   in XLA's own bf16 and fp32 reductions and with the fp8 reduction inside the backward
+1. compile (never run) each model's step for a GPU cluster at several global batch sizes:
+   XLA's own step (bf16 compute, its bf16 gradient all-reduce), and the trainer's step with
+   an fp32 and an fp8 reduction inside the backward (bf16 compute; the fp32 one is the GIFT
+   paper's baseline), reduced hierarchically where a node holds several replicas
    (``scripts/compile_pod.py --gpu ... --hlo DIR``: the scheduled HLO of each);
 2. replay each scheduled HLO (:func:`gift_jax.apps.pod_estimate.replay`) on the same GPUs
    joined by networks of 100, 200, 400 and 800 Gb/s per GPU: a link only changes the
    collectives' times, not the program;
-3. plot ``fp8 / xla_bf16`` and ``fp8 / xla_fp32`` against tokens per device, with the TPU
-   rows of ``docs/pod`` (v5p ICI, v5e across slices) as points of comparison.
+3. plot ``fp8 / xla_bf16`` and ``fp8 / fp32`` against tokens per device, with the TPU rows
+   of ``docs/pod`` (v5p ICI, v5e across slices) as points of comparison.
 
 Below 1 the fp8 step is the shorter one. ``scripts/when_it_pays.py`` runs the three steps.
 """
@@ -29,8 +31,9 @@ from gift_jax.apps import pod_estimate
 
 #: The networks the curves are drawn for (keys of :data:`gift_jax.utils.gpu.LINKS`).
 LINK_SPEEDS = ("ib100", "ib200", "ib400", "ib800")
-#: The steps compared: XLA's own reductions and the fp8 reduction inside the backward.
-MODES = ("xla_bf16", "xla_fp32", "fp8")
+#: The steps compared: XLA's own bf16 step, and the fp32 and fp8 reductions inside the
+#: backward.
+MODES = ("xla_bf16", "fp32", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,7 @@ def ratios(steps: dict[tuple[str, int, str], float], baseline: str
 
     Args:
       steps: :func:`step_seconds`' result.
-      baseline: ``xla_bf16`` or ``xla_fp32``.
+      baseline: ``xla_bf16`` or ``fp32``.
 
     Returns:
       ``{model: [(tokens per device, ratio), ...]}`` where both steps were compiled.
@@ -174,7 +177,7 @@ def _chips(topology: str) -> int:
 def plot(curves: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
          tpu: Sequence[TpuPoint], path: pathlib.Path, title: str) -> None:
     """One panel per model: ``fp8 / baseline`` against tokens per device, a line per link
-    (solid: against XLA's bf16 step, dashed: against its fp32 step), TPU points beside.
+    (solid: against XLA's bf16 step, dashed: against the fp32 reduction's), TPU points beside.
 
     Args:
       curves: ``{link: {baseline: {model: [(tokens, ratio), ...]}}}``.
@@ -193,12 +196,13 @@ def plot(curves: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
     colors = dict(zip(LINK_SPEEDS, ("#b2182b", "#ef8a62", "#67a9cf", "#2166ac"), strict=True))
     for ax, model in zip(axes[0], models, strict=True):
         for link, by_base in curves.items():
-            for baseline, style in (("xla_bf16", "-"), ("xla_fp32", "--")):
+            for baseline, style, name in (("xla_bf16", "-", "XLA's bf16"),
+                                          ("fp32", "--", "fp32")):
                 points = by_base.get(baseline, {}).get(model, [])
                 if points:
                     xs, ys = zip(*points, strict=True)
                     ax.plot(xs, ys, style, marker="o", ms=3.5, color=colors.get(link, "k"),
-                            label=f"{link[2:]} Gb/s, vs XLA {baseline[4:]}")
+                            label=f"{link[2:]} Gb/s, vs {name}")
         for p in tpu:
             ax.scatter([p.tokens_per_device], [p.ratio], marker="s", s=28, color="#555555",
                        zorder=3)
@@ -207,7 +211,7 @@ def plot(curves: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per device per step")
-        ax.set_ylabel("estimated step, fp8 in the backward / XLA's")
+        ax.set_ylabel("estimated step: fp8 in the backward / baseline")
         ax.set_title(model)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, ncol=2)
