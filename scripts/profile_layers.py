@@ -2,9 +2,11 @@
 
 For every linear layer's kernel gradient, under the artifact's stale synced scales (computed
 at the checkpoint step and reused for --window steps): saturation ratio, underflow fraction,
-round-trip error in the Euclidean and whitened frames (and with GIFT rank-32), averaged over
-the window; ranking; the top-n selection written as a Python config snippet; re-profiled at
-later checkpoints with the overlap of the selections.
+round-trip error in the Euclidean and whitened frames (and with GIFT rank-32), and the share of
+elements the library's own all-reduce clips under ``scale_sync_every`` (its stale synced
+scales, on R simulated CPU devices), averaged over the window; ranking; the top-n selection
+written as a Python config snippet; re-profiled at later checkpoints with the overlap of the
+selections.
 
     python scripts/profile_layers.py --out /tmp/gift_exp/profile
     python scripts/profile_layers.py --checkpoints 0,100,300 --window 50 --stride 5 --top_n 4 \
@@ -20,6 +22,7 @@ import time
 from gift_jax.apps.experiments import profile as pf
 from gift_jax.apps.experiments import roundtrip as rt
 from gift_jax.training.config import load_config
+from gift_jax.utils.cpu_devices import simulate_cpu_devices
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -43,6 +46,8 @@ def main(argv=None):
     ap.add_argument("--gift_rank", type=int, default=32)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
+    # the library's all-reduce reduces the replicas on R devices (an XLA_FLAGS count wins)
+    simulate_cpu_devices(args.replicas)
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,10 @@ tables, JSON and PNG plots into --out.
     python scripts/roundtrip.py --train_steps 20 --capture_steps 2 --staleness_steps 0 --out /tmp/x
     # refresh schedules only (fresh, fixed K, adaptive; docs/gift_refresh_schedule.png):
     python scripts/roundtrip.py --skip_tables --staleness_steps 0 --schedule_steps 100 --out /tmp/s
+    # does the factor follow the model (GIFT runs, EMA vs held-out A at every refresh):
+    python scripts/roundtrip.py --factor_distance 400 --out /tmp/fd
+    # which transport model gives the paper's Table I/II (every model, R = 8 and 64):
+    python scripts/roundtrip.py --transport_study 8,64 --replicas 64 --capture_steps 2 --out /tmp/t
 """
 
 import argparse
@@ -56,6 +60,25 @@ def main(argv=None):
                     help="comma list of replica counts R: the one-step round trip of Euclidean, "
                     "full A and rank-32 A at each (the first R of --replicas captured "
                     "replicas); writes replica_sweep.md/.json/.png")
+    ap.add_argument("--transport_study", default="",
+                    help="comma list of replica counts R: the paper's Table I/II frames "
+                    "(down_proj) through every transport model of --transports at each R, "
+                    "beside the paper's numbers (this study alone; writes transport.md/.json)")
+    ap.add_argument("--transports", default="",
+                    help="--transport_study: comma list of TRANSPORTS keys (default: all)")
+    ap.add_argument("--stale_steps", type=int, default=0,
+                    help="--transport_study: the stale transports' scales come from the step "
+                    "this many steps before the first captured one (0: no stale transports)")
+    ap.add_argument("--factor_distance", type=int, default=0,
+                    help="steps of GIFT runs whose EMA of A is compared at every refresh with "
+                    "the current model's A on a held-out batch, per gift.ema_scheme (this "
+                    "study alone; writes factor_distance.md/.json)")
+    ap.add_argument("--factor_scheme", action="append", default=[],
+                    help="NAME=setting:value,setting:value: a scheme of --factor_distance in "
+                    "place of the default two (artifact, bias-corrected), e.g. "
+                    "'k1h25=gift.stats_every:1,gift.stats_half_life:25'; repeatable")
+    ap.add_argument("--heldout", type=int, default=256,
+                    help="--factor_distance: sequences of the held-out batch")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 
@@ -63,12 +86,19 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     command = "python " + " ".join(["scripts/roundtrip.py", *(argv or sys.argv[1:])])
+    if args.factor_distance > 0:
+        factor_distance(args, out, command)
+        print(f"\nwrote {out}/factor_distance.* in {time.perf_counter() - t0:.0f}s")
+        return
     print(f"training {args.train_steps} steps, capturing {args.capture_steps} steps "
           f"x {args.replicas} replicas", flush=True)
     # The replica sweep alone consumes the captures one at a time (one in memory, and no
     # output-side B_r, which only the tables' Kronecker frames read).
     sweep_only = bool(args.replica_sweep and args.skip_tables and args.staleness_steps == 0
                       and args.schedule_steps == 0)
+    if args.transport_study:
+        transport_study(args, out, command, t0)
+        return
     trainer, _ = rt.train_and_capture(
         load_config(args.config, CONFIGS), train_steps=args.train_steps, capture_steps=0,
         seed=args.seed,
@@ -136,6 +166,81 @@ def main(argv=None):
     (out / "roundtrip.json").write_text(json.dumps(result, indent=1, default=float))
     print("\n".join(md))
     print(f"\nwrote {out}/roundtrip.md, roundtrip.json, *.png in {time.perf_counter() - t0:.0f}s")
+
+
+def _scheme(text: str) -> tuple[str, dict]:
+    """``NAME=setting:value,...`` → ``(NAME, {setting: value})`` (values as Python literals
+    where they parse, else strings)."""
+    import ast
+
+    name, _, body = text.partition("=")
+    settings = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition(":")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return name, settings
+
+
+def transport_study(args, out, command, t0):
+    """``--transport_study``: the Table I/II frames through every transport model."""
+    counts = [int(r) for r in args.transport_study.split(",")]
+    k = args.stale_steps
+    trainer, _ = rt.train_and_capture(
+        load_config(args.config, CONFIGS), train_steps=args.train_steps - k, capture_steps=0,
+        seed=args.seed, schedule_steps=args.train_steps + args.capture_steps)
+    capture = dict(replicas=max(counts), local_batch=args.local_batch, output_stats=False,
+                   layers=("*/mlp/down_proj",))
+    stale = None
+    if k > 0:
+        stale = next(rt.iter_captures(trainer, 1, **capture))
+        trainer.advance(k)
+    caps = rt.iter_captures(trainer, args.capture_steps, **capture)
+    transports = [t for t in args.transports.split(",") if t] or list(rt.TRANSPORTS)
+    rows = rt.transport_study(caps, transports=transports, replica_counts=counts,
+                              codecs=args.codecs.split(","), damping=args.damping, stale=stale)
+    transports = list(dict.fromkeys(r["transport"] for r in rows))
+    head = (f"<!-- {command} -->\nModel `{args.config}` after {args.train_steps} AdamW steps, "
+            f"steps {args.train_steps}..{args.train_steps + args.capture_steps - 1} captured, "
+            f"R replicas x {args.local_batch} sequences; down_proj, one-step round trip with "
+            "fresh factors, relative L2 error (mean over the captured steps); a transport "
+            "'reproduces' the paper where every entry is within 25 % of it and diagonal A "
+            "within ±10 % of Euclidean.\n\n"
+            + "\n".join(f"- `{k}`: {rt.TRANSPORT_TITLES[k]}" for k in transports) + "\n")
+    md = (head + rt.transport_markdown(rows)
+          + "\n### The same errors over the replicas' rms gradient norm\n"
+          + rt.transport_markdown(rows, "rel_l2_local"))
+    (out / "transport.md").write_text(md)
+    (out / "transport.json").write_text(json.dumps({"command": command, "rows": rows},
+                                                   indent=1, default=float))
+    print(md)
+    print(f"\nwrote {out}/transport.* in {time.perf_counter() - t0:.0f}s")
+
+
+def factor_distance(args, out, command):
+    """``--factor_distance``: the EMA's distance to the held-out statistic at every refresh."""
+    from gift_jax.apps.experiments import factor_tracking as ft
+
+    schemes = dict(_scheme(s) for s in args.factor_scheme) or None
+    seed = 0 if args.seed is None else args.seed
+    res = ft.factor_distance_experiment(load_config(args.config, CONFIGS),
+                                        steps=args.factor_distance, schemes=schemes,
+                                        heldout_sequences=args.heldout, seed=seed)
+    md = (f"<!-- {command} -->\nModel `{args.config}`, GIFT runs of {args.factor_distance} "
+          f"steps (seed {seed}); at every refresh the relative Frobenius distance "
+          "‖A_EMA − A_held-out‖/‖A_held-out‖ of the EMA the factors are built from to the "
+          f"current model's A on {args.heldout} held-out sequences: mean over the whitened "
+          "layers (worst layer); last column: the step's own training batch.\n\n"
+          + ft.factor_distance_markdown(res)
+          + "\nThe same between trace-normalised matrices (what the factor sees: with relative "
+          "damping the factor of cA is c^-1/2 times A's, which the per-tensor scale absorbs):"
+          "\n\n" + ft.factor_distance_markdown(res, shape=True))
+    (out / "factor_distance.md").write_text(md)
+    (out / "factor_distance.json").write_text(json.dumps({"command": command, **res},
+                                                         indent=1, default=float))
+    print(md)
 
 
 if __name__ == "__main__":

@@ -280,3 +280,104 @@ def test_experiments_release_their_captures():
     del cap
     gc.collect()
     assert alive() is None
+
+
+def test_fp8_ring_variants():
+    """Issue #46's transport models: on values whose every partial sum is exact in the
+    format, every ring gives the exact mean; the NCCL ring is the sequential ring without the
+    mean's re-cast, in each chunk's own order; headroom (scale R×) never saturates where
+    the sum of R maximal values would."""
+    # amax 14 → scale 1/32: a 1 is 32, every partial sum k·32 (k ≤ 8) and 14·32 = 448 exact
+    ones = jnp.ones((R, 4, 128)).at[:, 0, 0].set(0.0).at[0, 0, 0].set(14.0)
+    want = np.ones((4, 128), np.float32)
+    want[0, 0] = 14.0 / R
+    for ring in rt.RINGS:
+        res = rt.simulate_allreduce(ones, "fp8_e4m3", "fp8", ring=ring)
+        np.testing.assert_array_equal(np.asarray(res.mean), want, err_msg=ring)
+    with pytest.raises(ValueError, match="ring must be one of"):
+        rt.simulate_allreduce(ones, "fp8_e4m3", "fp8", ring="star")
+    # saturation: R values of 400·s each (just under fmax) sum beyond fmax without headroom
+    x = jnp.ones((R, 4, 128)) * jnp.asarray([400.0, *[1.0] * 127]) / 448.0
+    tight = rt.simulate_allreduce(x, "fp8_e4m3", "fp8", ring="nccl").mean
+    room = rt.simulate_allreduce(x, "fp8_e4m3", "fp8", ring="nccl_headroom").mean
+    np.testing.assert_allclose(np.asarray(tight)[..., 0], 400.0 / 448.0 / R, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(room)[..., 0], 400.0 / 448.0, rtol=1e-6)
+    # the NCCL ring's error is the sequential ring's order of magnitude (same hops)
+    xs = jax.random.normal(jax.random.key(3), (R, 16, 128))
+    ref = xs.mean(0)
+    err = {ring: float(jnp.linalg.norm(rt.simulate_allreduce(xs, "fp8_e5m2", "fp8",
+                                                            ring=ring).mean - ref)
+                       / jnp.linalg.norm(ref)) for ring in rt.RINGS}
+    assert 0.3 < err["nccl"] / err["sequential"] < 3, err
+    assert err["tree"] < err["nccl"], err  # log₂ R roundings of balanced sums, not R − 1
+
+
+def test_transport_study_rows_and_table():
+    caps = _synthetic_captures(steps=1)
+    rows = rt.transport_study(caps, replica_counts=(4, 8), codecs=("fp8_e5m2",),
+                              verbose=False)  # no earlier step: no stale transports
+    fresh = [t for t in rt.TRANSPORTS if not rt.TRANSPORTS[t].get("stale")]
+    assert {(r["transport"], r["replicas"], r["method"]) for r in rows} == {
+        (t, n, m) for t in fresh for n in (4, 8) for m in rt.PAPER_TABLE}
+    # stale scales of a step whose gradients were 4x smaller: the ring saturates
+    small = rt.ReplicaCapture(caps[0].loss, {p: g / 4 for p, g in caps[0].grads.items()},
+                              caps[0].a, caps[0].b)
+    st = rt.transport_study(caps, transports=("fp32", "fp32_stale", "ring_nccl_stale"),
+                            replica_counts=(8,), codecs=("fp8_e5m2",), stale=small,
+                            verbose=False)
+    e = {(r["transport"], r["method"]): r["rel_l2"] for r in st}
+    assert e["fp32_stale", "Euclidean"] > 2 * e["fp32", "Euclidean"]
+    err = {(r["transport"], r["replicas"], r["method"]): r["rel_l2"] for r in rows}
+    # a single cast's error does not depend on R, and diagonal scaling leaves it alone
+    assert err["cast_local", 4, "Euclidean"] == pytest.approx(err["cast_local", 8, "Euclidean"],
+                                                              rel=0.1)
+    assert err["cast_mean", 8, "diagonal A"] == pytest.approx(err["cast_mean", 8, "Euclidean"],
+                                                              rel=0.1)
+    assert all(0 < r["rel_l2"] < 2 and np.isfinite(r["rel_l2_local"]) for r in rows)
+    md = rt.transport_markdown(rows)
+    assert "**paper** | 5.28e-02" in md and "| ring_nccl |" in md and "R = 8" in md
+    with pytest.raises(ValueError, match="transports"):
+        rt.transport_study(caps, transports=("carrier_pigeon",))
+
+
+def test_profile_reports_the_librarys_stale_scale_saturation():
+    """The profile's ``library_saturation``: the library's all-reduce with stale scales over
+    R devices, synced on a window's first call; gradients 4× larger afterwards clip."""
+    g = {"a/kernel": jax.random.normal(jax.random.key(4), (R, 32, 16)),
+         "b/kernel": jax.random.normal(jax.random.key(5), (R, 8, 16))}
+    red = pf.StaleScaleReduction("fp8_e5m2", calls_per_sync=3, replicas=R)
+    first = red(g)
+    assert first == {"a/kernel": 0.0, "b/kernel": 0.0}  # the sync call
+    grown = red({"a/kernel": 4 * g["a/kernel"], "b/kernel": g["b/kernel"]})
+    assert grown["a/kernel"] > 0.01 and grown["b/kernel"] == 0.0
+    ok = pf.layer_metrics(g["a/kernel"], jnp.max(jnp.abs(g["a/kernel"])) / 57344.0, "fp8_e5m2",
+                          jax.tree.map(lambda x: x[0], rt.build_factors(
+                              rt.Method("m", "input"), jnp.eye(32)[None], None)))
+    prof = {"a/kernel": dict(ok, rt_gift=0.0, gift_saturation=0.0, library_saturation=0.25)}
+    md, _ = pf.profile_markdown({0: prof}, 1, None, "fp8_e5m2")
+    assert "clipped, library (scale_sync_every)" in md and "0.2500" in md
+
+
+@pytest.mark.slow
+def test_factor_distance_experiment_smoke():
+    """Both EMA schemes in short GIFT runs: a row per refresh; at step 0 every EMA is the
+    step's own batch statistic; the table says whether the goal is met."""
+    from gift_jax.apps.experiments import factor_tracking as ft
+
+    schemes = {"art": {"gift.ema_scheme": "artifact", "gift.refresh_every": 2},
+               "bc": {"gift.refresh_every": 2, "gift.stats_every": 1,
+                      "gift.stats_half_life": 2.0}}
+    res = ft.factor_distance_experiment(_one_block_tiny(num_steps=6), steps=5,
+                                        schemes=schemes, heldout_sequences=32, verbose=False)
+    rows = res["rows"]
+    assert [(r["scheme"], r["step"]) for r in rows] == [
+        (n, s) for n in ("art", "bc") for s in (0, 2, 4)]
+    for r in rows:
+        assert r["layers"] == 1 and 0 < r["mean"] == r["worst"] and r["refresh_every"] == 2
+        if r["step"] == 0:
+            assert r["mean"] == pytest.approx(r["batch_mean"], rel=1e-5)
+    md = ft.factor_distance_markdown(res, after=2)
+    assert "| refresh at step | art | bc | one training batch |" in md
+    assert "- bc: worst layer at refreshes from step 2 on" in md
+    with pytest.raises(ValueError, match="heldout_sequences=20"):
+        ft.factor_distance_experiment(_one_block_tiny(num_steps=6), heldout_sequences=20)

@@ -212,12 +212,19 @@ def test_non_finite_statistics_fall_back_counted():
 
 
 def test_ema_of_statistics():
+    """The artifact's EMA (``ema_scheme="artifact"``): the first statistic as is, then 0.95 /
+    0.05 per refresh, and no bias-correction state; the default's EMA is
+    tests/test_gift_ema.py's."""
+    tx = gift(PMEAN, rank=4, axis_name="data", ema_scheme="artifact")
+    step = _sharded_step(tx)
     grads, stats = _grads(4)
-    _, st, _ = STEP(grads, _init(TX), stats)
+    st0 = _init(tx)
+    assert st0.stats_count is None and not st0.member("stats_weight")
+    _, st, _ = step(grads, st0, stats)
     a1 = np.asarray(stats[KERNEL]).mean(0)
     np.testing.assert_allclose(np.asarray(st.whitened[KERNEL].stats)[0], a1, rtol=1e-5, atol=1e-6)
     stats2 = {KERNEL: 2.0 * np.asarray(stats[KERNEL])}
-    _, st, _ = STEP(grads, st, stats2)
+    _, st, _ = step(grads, st, stats2)
     np.testing.assert_allclose(np.asarray(st.whitened[KERNEL].stats)[0], 0.95 * a1 + 0.05 * 2 * a1,
                                rtol=1e-5, atol=1e-6)
 

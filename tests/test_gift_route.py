@@ -54,10 +54,12 @@ def _use(st):
 # built from the gradient's own input statistics, and loses by ~2x when it was built from a
 # differently rotated input distribution (the inverse whitener then amplifies the rounding
 # error into the gradient's directions).
-TX = gift(allreduce("data", codec=CODEC), rank=4, ema=0.0, route_frame="muon")
+#: the statistics of the last refresh only (the artifact's EMA with decay 0)
+LATEST = {"ema": 0.0, "ema_scheme": "artifact"}
+TX = gift(allreduce("data", codec=CODEC), rank=4, **LATEST, route_frame="muon")
 TRACES: list[bool] = []
 STEP = _per_device_step(TX, TRACES)
-PLAIN = _per_device_step(gift(allreduce("data", codec=CODEC), rank=4, ema=0.0), [])
+PLAIN = _per_device_step(gift(allreduce("data", codec=CODEC), rank=4, **LATEST), [])
 
 
 def test_routes_euclidean_when_whitening_is_worse_and_back_when_it_helps_without_recompiling():
@@ -157,7 +159,7 @@ def test_recorded_route_errors_are_the_errors_the_step_produces(accumulate, extr
         assert (k == k[:1]).all()
         return np.linalg.norm(k[0] - exact) / np.linalg.norm(exact)
 
-    routed = gift(allreduce("data", **kw), rank=4, ema=0.0, route_frame="euclidean")
+    routed = gift(allreduce("data", **kw), rank=4, **LATEST, route_frame="euclidean")
     _, st = _per_device_step(routed, [])(grads, _per_device_init(routed), a)
     recorded = np.asarray(st.whitened[KERNEL].route_error)[0, :, 0]  # [Euclidean, whitened]
     plain = allreduce("data", **kw)
@@ -165,7 +167,7 @@ def test_recorded_route_errors_are_the_errors_the_step_produces(accumulate, extr
         lambda x: jax.tree.map(lambda y: y[None], plain.update(
             jax.tree.map(lambda y: y[0], x), plain.init(jax.tree.map(lambda y: y[0], x)))[0]),
         mesh=_mesh(), in_specs=P("data"), out_specs=P("data"), check_vma=False))(grads)
-    always = gift(allreduce("data", **kw), rank=4, ema=0.0)
+    always = gift(allreduce("data", **kw), rank=4, **LATEST)
     whitened, _ = _per_device_step(always, [])(grads, _per_device_init(always), a)
     np.testing.assert_allclose(recorded, [error(euclidean), error(whitened)], rtol=1e-6)
 
@@ -183,7 +185,7 @@ def test_stacked_layers_routed_apart_record_the_errors_they_produce(accumulate):
     (g0, a0), (g1, _), (_, a7) = _data(0), _data(1), _data(7)
     g, a = jnp.stack([g0, g1], axis=1), jnp.stack([a0, a7], axis=1)  # (D, 2, ...)
     path = "layers/mlp/down_proj/kernel"
-    tx = gift(allreduce("data", **kw), layers=["*/mlp/down_proj"], rank=4, ema=0.0,
+    tx = gift(allreduce("data", **kw), layers=["*/mlp/down_proj"], rank=4, **LATEST,
               route_frame="euclidean",
               dimension_numbers={"*/mlp/down_proj": MatrixDimensionNumbers(1, 2)})
 
@@ -257,7 +259,7 @@ def test_recorded_errors_are_the_plain_stages_errors_for_every_layout(stacked, s
     grads, a = _wide_tree(stacked)
     path = "layers/mlp/down_proj/kernel" if stacked else "layers/0/mlp/down_proj/kernel"
     dims = {"*/mlp/down_proj": MatrixDimensionNumbers(1, 2)} if stacked else None
-    make = functools.partial(gift, layers=["*/mlp/down_proj"], rank=32, factor=factor, ema=0.0,
+    make = functools.partial(gift, layers=["*/mlp/down_proj"], rank=32, factor=factor, **LATEST,
                              dimension_numbers=dims)
     routed = make(allreduce("data", **kw), route_frame="euclidean")
     always = make(allreduce("data", **kw))
@@ -528,7 +530,7 @@ def test_error_feedback_follows_a_layer_switching_to_euclidean():
     owed, mean_r W₁⁻¹e_r, not mean_r e_r (the residual read in the Euclidean frame)."""
     from gift_jax import whitening as wh
 
-    tx = gift(allreduce("data", codec=CODEC, error_feedback=True), rank=4, ema=0.0,
+    tx = gift(allreduce("data", codec=CODEC, error_feedback=True), rank=4, **LATEST,
               route_frame="muon")
     g, a = _data(0)
     step = _per_device_step(tx, [])

@@ -19,6 +19,14 @@ Everything here runs inside ``jax.shard_map`` (or any context that binds the axi
 (reduced as one group). ``intra_axis`` gives the hierarchical variant: reduce-scatter over the
 (fast) intra-node axis in ``intra_codec`` (fp32 by default), the quantized all-reduce of that
 shard across ``axis_name``, and an all-gather back over the intra axis.
+
+Stale per-tensor scales (:func:`all_reduce_tree_stale`; ``gift_jax.allreduce(scale_sync_every=
+K)``, the artifact's per-layer scales synced every 50 steps): on a sync step each scale group's
+two scales — the senders' (of the replicas' gradients) and the owners' (of the reduced mean) —
+are the fresh ones, ``pmax``-shared by every replica (as ``global_scale=True`` computes them);
+on the other steps the held ones are reused, so values beyond ``fmax`` times a stale scale
+saturate (clipped, as the casts do) and are counted. A replica whose values are non-finite
+still sends NaN (its scale is NaN for that step), never clipped garbage.
 """
 
 from __future__ import annotations
@@ -145,6 +153,59 @@ def _rows_of(leaf_scale: jax.Array | None, row_leaf: jax.Array):
     return None if leaf_scale is None else leaf_scale[row_leaf][:, None]
 
 
+def _segment_sum(values: jax.Array, row_leaf: jax.Array, num_leaves: int) -> jax.Array:
+    """``sum(values[rows of leaf l])`` for every leaf ``l`` (as :func:`_segment_max`)."""
+    member = row_leaf[None, :] == jnp.arange(num_leaves, dtype=row_leaf.dtype)[:, None]
+    return jnp.sum(jnp.where(member, values[None, :], jnp.zeros((), values.dtype)), axis=1)
+
+
+def saturated_count(x: jax.Array, codec: Codec, leaf_scale: jax.Array, row_leaf: jax.Array,
+                    num_leaves: int) -> jax.Array:
+    """How many elements of ``x: f32[rows, B]`` lie beyond the format's range at their
+    group's scale, ``|x · (1/s)| > fmax`` (the casts clip them to ``±fmax``), per scale group.
+
+    Args:
+      x: the row buffer about to be encoded.
+      codec: a per-tensor-scaled codec (:attr:`~gift_jax.comm.codecs.Codec.fmax`).
+      leaf_scale: ``f32[num_leaves]``, each group's scale (a NaN scale counts nothing).
+      row_leaf: ``int32[rows]``, the group of every row.
+      num_leaves: the number of groups.
+
+    Returns:
+      ``f32[num_leaves]`` counts (exact below 2²⁴).
+    """
+    s = leaf_scale[row_leaf][:, None]
+    inv = jnp.where(s == 0, jnp.float32(0.0), 1.0 / s)
+    over = jnp.sum((jnp.abs(x * inv) > codec.fmax).astype(jnp.float32), axis=1)
+    return _segment_sum(over, row_leaf, num_leaves)
+
+
+def stale_scales(codec: Codec) -> bool:
+    """Whether a bucket of ``codec`` takes stale synced scales: one per-tensor scale and no
+    per-row ones (``fp8_e4m3``, ``fp8_e5m2``, ``int8`` without a block size).
+
+    Args:
+      codec: the bucket's codec.
+
+    Returns:
+      ``True`` where :func:`all_reduce_tree_stale` holds its scales.
+    """
+    return codec.has_leaf_scale and codec.row_scale_dtype is None
+
+
+def _held_scale(fresh: jax.Array, held: jax.Array, due: jax.Array, local_amax: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """``(scale used this step, scale held after it)`` of a stale-scale leg: the fresh synced
+    scale on a sync step (``due``, or where nothing is held: 0), else the held one; NaN for
+    this step where this replica's own values are non-finite (its ``local_amax`` is Inf); a
+    sync that is non-finite holds 0 (sync again on the next step)."""
+    sync = due | (held == 0)
+    used = jnp.where(sync, fresh, held)
+    keep = jnp.where(jnp.isfinite(fresh), fresh, jnp.float32(0.0))
+    return (jnp.where(jnp.isfinite(local_amax), used, jnp.float32(jnp.nan)),
+            jnp.where(sync, keep, held))
+
+
 # ---- settings ------------------------------------------------------------------------------
 
 
@@ -253,6 +314,7 @@ def reduce_scatter_rows(
     num_leaves: int,
     rand_bits: jax.Array | None = None,
     return_local_error: bool = False,
+    leaf_scale: jax.Array | None = None,
 ):
     """Quantized reduce-scatter of ``x: f32[rows, B]`` (rows divisible by the axis size).
 
@@ -266,6 +328,8 @@ def reduce_scatter_rows(
       rand_bits: ``u32[rows, B]`` random bits for stochastic rounding, or ``None`` (round to
         nearest).
       return_local_error: also return the local quantization error.
+      leaf_scale: ``f32[num_leaves]``, this sender's per-tensor scales in place of the ones
+        computed from ``x`` (stale synced scales), or ``None``.
 
     Returns:
       The fp32 sum of this replica's shard, ``f32[rows/P, B]`` (shard ``i`` = rows
@@ -279,7 +343,8 @@ def reduce_scatter_rows(
         out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
         return (out, jnp.zeros_like(x)) if return_local_error else out
     rs = rows // P
-    leaf_scale = _leaf_scales(x, codec, row_leaf, num_leaves, axis, col.global_scale)
+    if leaf_scale is None:
+        leaf_scale = _leaf_scales(x, codec, row_leaf, num_leaves, axis, col.global_scale)
     leaf_rows = _rows_of(leaf_scale, row_leaf)
     payload, row_scale = qk.quantize(x, codec, leaf_rows, rand_bits, backend=col.backend)
 
@@ -334,6 +399,7 @@ def all_gather_rows(
     num_leaves: int,
     rand_bits: jax.Array | None = None,
     return_local_error: bool = False,
+    leaf_scale: jax.Array | None = None,
 ):
     """Quantized all-gather of ``shard: f32[rs, B]`` → ``f32[P·rs, B]``, bit-identical everywhere.
 
@@ -345,6 +411,8 @@ def all_gather_rows(
       num_leaves: the number of scale groups (``row_leaf`` is below it).
       rand_bits: ``u32[rs, B]`` random bits for stochastic rounding, or ``None``.
       return_local_error: also return the owner's re-quantization error.
+      leaf_scale: ``f32[num_leaves]``, the owner's per-tensor scales in place of the ones
+        computed from its shard (stale synced scales), or ``None``.
 
     Returns:
       The gathered ``f32[P·rs, B]``; with ``return_local_error`` the pair ``(gathered,
@@ -358,7 +426,8 @@ def all_gather_rows(
         return (out, jnp.zeros_like(shard)) if return_local_error else out
     idx = jax.lax.axis_index(axis)
     mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
-    leaf_scale = _leaf_scales(shard, codec, mine, num_leaves, axis, col.global_scale)
+    if leaf_scale is None:
+        leaf_scale = _leaf_scales(shard, codec, mine, num_leaves, axis, col.global_scale)
     payload, row_scale = qk.quantize(shard, codec, _rows_of(leaf_scale, mine), rand_bits,
                                      backend=col.backend)
     parts = [payload.reshape(1, -1)]
@@ -591,11 +660,14 @@ def _bits(key, idx, shape):
                                                     jnp.uint32)
 
 
-def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual):
-    """All-reduce one packed bucket; returns ``(sum or mean, new local error, new shard error)``.
+def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual, stale=None):
+    """All-reduce one packed bucket; returns ``(sum or mean, new local error, new shard error,
+    new held scales, saturation counts)`` (the last two ``None`` without ``stale``).
 
     ``key`` (or ``None``) drives stochastic rounding of both quantizations; it is folded with
-    the replica index so replicas draw independent bits.
+    the replica index so replicas draw independent bits. ``stale``: ``(held f32[2, L], due)``,
+    the held senders' and owners' scales of the bucket's groups and whether this step syncs
+    them (a flat reduction only; see the module doc).
     """
     col = spec.collective(bucket.codec, spec.axis_name)
     row_leaf = jnp.asarray(bucket.row_leaf_ids())
@@ -616,22 +688,39 @@ def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual):
         if spec.mean:
             s2 = s2 / P
         g2 = all_gather_rows(s2, col, leaf1, L, _bits(k2, idx, s2.shape))
-        return all_gather_rows(g2, intra, row_leaf, L), None, None
+        return all_gather_rows(g2, intra, row_leaf, L), None, None, None, None
     ef = residual is not None
     if ef:
         local_err, shard_err = residual
         x = x + local_err
+    send_scale = held = saturated = None
+    if stale is not None:
+        held, due = stale
+        fresh = _leaf_scales(x, bucket.codec, row_leaf, L, spec.axis_name, True)
+        send_scale, held_send = _held_scale(fresh, held[0], due,
+                                            _leaf_amax(x, row_leaf, L))
+        sat_send = saturated_count(x, bucket.codec, send_scale, row_leaf, L)
     out = reduce_scatter_rows(x, col, row_leaf, L, _bits(k1, idx, x.shape),
-                              return_local_error=ef)
+                              return_local_error=ef, leaf_scale=send_scale)
     shard, new_local = out if ef else (out, None)
     if spec.mean:
         shard = shard / P
     if ef:
         shard = shard + shard_err
+    mean_scale = None
+    if stale is not None:
+        rs = shard.shape[0]
+        mine = jax.lax.dynamic_slice_in_dim(row_leaf, jax.lax.axis_index(spec.axis_name) * rs,
+                                            rs)
+        fresh = _leaf_scales(shard, bucket.codec, mine, L, spec.axis_name, True)
+        mean_scale, held_mean = _held_scale(fresh, held[1], due, _leaf_amax(shard, mine, L))
+        sat_mean = saturated_count(shard, bucket.codec, mean_scale, mine, L)
+        held = jnp.stack([held_send, held_mean])
+        saturated = jax.lax.psum(jnp.stack([sat_send, sat_mean]), spec.axis_name)
     out = all_gather_rows(shard, col, row_leaf, L, _bits(k2, idx, shard.shape),
-                          return_local_error=ef)
+                          return_local_error=ef, leaf_scale=mean_scale)
     full, new_shard = out if ef else (out, None)
-    return full, new_local, new_shard
+    return full, new_local, new_shard, held, saturated
 
 
 def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
@@ -647,11 +736,69 @@ def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
     Returns:
       ``(reduced tree, new residuals)`` — the reduced leaves keep their dtypes.
     """
+    out, residuals, _, _ = _all_reduce_tree(tree, spec, key, residuals)
+    return out, residuals
+
+
+def init_stale_scales(tree, spec: AllReduceSpec) -> tuple[Any, Any]:
+    """The held scales and saturation of :func:`all_reduce_tree_stale` before the first step:
+    a tree like ``tree`` of zeros ``f32[2, parts]`` (each leaf's stacked tensors' senders' and
+    owners' scales; 0: not synced yet) and one of zeros ``f32[2]``.
+
+    Args:
+      tree: the gradients' pytree (arrays or their abstract shapes).
+      spec: the all-reduce's settings (the stacked tensors of each leaf).
+
+    Returns:
+      ``(scales, saturation)``.
+    """
+    stacks = iter(spec.stacks(tree))
+    scales = jax.tree_util.tree_map(lambda _: jnp.zeros((2, next(stacks)), jnp.float32), tree)
+    return scales, jax.tree_util.tree_map(lambda _: jnp.zeros((2,), jnp.float32), tree)
+
+
+def all_reduce_tree_stale(tree, spec: AllReduceSpec, scales, due, key=None, residuals=None):
+    """:func:`all_reduce_tree` with stale synced per-tensor scales (module doc): the buckets of
+    per-tensor-scaled codecs (:func:`stale_scales`) quantize with the scales held in
+    ``scales``, synced (fresh, ``pmax``-shared) where ``due`` or none is held yet, and count
+    what saturates. A flat reduction (no ``intra_axis``).
+
+    Args:
+      tree: pytree of float arrays (per-device values inside ``jax.shard_map``).
+      spec: static settings (``intra_axis`` must be ``None``).
+      scales: the held scales, as :func:`init_stale_scales` makes them.
+      due: a replicated () bool, whether this step syncs every scale.
+      key: as :func:`all_reduce_tree`.
+      residuals: as :func:`all_reduce_tree`.
+
+    Returns:
+      ``(reduced tree, new residuals, new held scales, saturation)``: saturation a tree like
+      ``tree`` of ``f32[2]``, the share of the leaf's elements clipped this step ``[over the
+      replicas' values, over the reduced mean's]`` (0 for leaves without stale scales);
+      identical on every replica.
+
+    Raises:
+      ValueError: a hierarchical ``spec``.
+    """
+    if spec.intra_axis is not None:
+        raise ValueError("stale synced scales need a flat reduction (intra_axis=None)")
+    return _all_reduce_tree(tree, spec, key, residuals, (scales, due))
+
+
+def _all_reduce_tree(tree, spec: AllReduceSpec, key, residuals, stale=None):
+    """The reduction of :func:`all_reduce_tree` and :func:`all_reduce_tree_stale`:
+    ``(tree, residuals, held scales or None, saturation or None)``."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if spec.axis_name is None:
         resolve_codecs(tree, spec.codec, spec.block_size, spec.policy)  # validates leaves
-        return tree, residuals
+        sat = None if stale is None else jax.tree_util.tree_map(jnp.zeros_like, stale[0])
+        return tree, residuals, None if stale is None else stale[0], (
+            None if sat is None else jax.tree_util.tree_map(lambda x: x[:, 0], sat))
     buckets, codecs = spec.plan(tree)
+    held_leaves = sat_leaves = None
+    if stale is not None:
+        held_leaves = list(jax.tree_util.tree_leaves(stale[0]))
+        sat_leaves = [jnp.zeros((2,), jnp.float32) for _ in leaves]
     out = list(leaves)
     for i, (leaf, c) in enumerate(zip(leaves, codecs, strict=True)):
         if c.is_exact:  # one psum over every data axis: XLA picks the hierarchy (in-slice
@@ -663,15 +810,41 @@ def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
     new_res = []
     for b, bucket in enumerate(buckets):
         res = None if residuals is None else _bucket_residual_in(residuals, bucket, b)
-        full, new_local, new_shard = _bucket_all_reduce(
-            bucket.pack(leaves), bucket, spec, keys[b], res)
+        held = None
+        if stale is not None and stale_scales(bucket.codec):
+            held = (jnp.stack([held_leaves[s.leaf][:, s.part] for s in bucket.slots], axis=1),
+                    stale[1])
+        full, new_local, new_shard, new_held, saturated = _bucket_all_reduce(
+            bucket.pack(leaves), bucket, spec, keys[b], res, held)
         for leaf_idx, value in bucket.unpack(full).items():
             out[leaf_idx] = value.astype(jnp.result_type(leaves[leaf_idx]))
         if residuals is not None:
             new_res.append((bucket.unpack(new_local), new_shard))
+        if new_held is not None:
+            _stale_out(bucket, new_held, saturated, held_leaves, sat_leaves, leaves,
+                       spec.num_shards())
     if residuals is not None:
         residuals = _residuals_out(residuals, new_res, treedef)
-    return jax.tree_util.tree_unflatten(treedef, out), residuals
+    held_out = sat_out = None
+    if stale is not None:
+        held_out = jax.tree_util.tree_unflatten(treedef, held_leaves)
+        sat_out = jax.tree_util.tree_unflatten(treedef, sat_leaves)
+    return jax.tree_util.tree_unflatten(treedef, out), residuals, held_out, sat_out
+
+
+def _stale_out(bucket: Bucket, held: jax.Array, saturated: jax.Array, held_leaves: list,
+               sat_leaves: list, leaves: list, P: int) -> None:
+    """Writes a bucket's held scales ``f32[2, L]`` and saturation counts ``f32[2, L]`` back to
+    its leaves' entries (in place in the lists): scales by stacked tensor, the counts summed
+    over a leaf's tensors and divided by its elements (``P`` replicas' values, one mean)."""
+    by_leaf: dict[int, list[int]] = {}
+    for j, slot in enumerate(bucket.slots):
+        by_leaf.setdefault(slot.leaf, []).append(j)
+    for leaf, cols in by_leaf.items():
+        held_leaves[leaf] = held[:, jnp.asarray(cols)]
+        n = float(np.prod(jnp.shape(leaves[leaf]), dtype=np.int64))
+        count = jnp.sum(saturated[:, jnp.asarray(cols)], axis=1)
+        sat_leaves[leaf] = count / jnp.asarray([P * n, n], jnp.float32)
 
 
 # ---- error-feedback buffers ----------------------------------------------------------------

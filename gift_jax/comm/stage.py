@@ -7,9 +7,11 @@ every replica::
     tx = optax.chain(gift_jax.allreduce("data", codec="fp8_e4m3"), optax.adamw(3e-4))
 
 State: a PRNG key when stochastic rounding is on (identical on every replica; folded with the
-replica index inside), and error-feedback buffers when ``error_feedback=True`` (different on
+replica index inside), error-feedback buffers when ``error_feedback=True`` (different on
 every replica: initialise the state inside ``shard_map`` and shard those buffers over the data
-axis with :func:`partition_specs`).
+axis with :func:`partition_specs`), and with ``scale_sync_every > 1`` the held per-tensor
+scales, the step count of their clock and each leaf's saturation on the last step (identical
+on every replica).
 
 Non-finite gradients: a NaN or Inf in any replica's leaf (per-tensor codecs) or block
 (per-block codecs) makes that leaf or block NaN in the result of *every* replica — never finite
@@ -34,7 +36,9 @@ from gift_jax.comm.collectives import (
     AllReduceSpec,
     AxisName,
     all_reduce_tree,
+    all_reduce_tree_stale,
     init_residuals,
+    init_stale_scales,
     reframe_residuals,
     resolve_codecs,
 )
@@ -48,6 +52,12 @@ class AllReduceState(NamedTuple):
 
     key: jax.Array | None  # uint32[2] PRNG key for stochastic rounding (replicated), or None
     residuals: Any  # error-feedback buffers (per device, leading axis 1), or None
+    # scale_sync_every > 1 (replicated), else None: per leaf f32[2, stacked tensors], the held
+    # senders' and owners' scales (0: none yet); () int32 steps so far; per leaf f32[2], the
+    # share of its elements clipped on the last step [replicas' values, reduced mean]
+    scales: Any = None
+    scale_step: jax.Array | None = None
+    saturation: Any = None
 
 
 class AllReduceTransformation(optax.GradientTransformation):
@@ -156,6 +166,7 @@ def allreduce(
     stack_axes: Any = None,
     groups: LayerGroups | None = None,
     exchange: str = "auto",
+    scale_sync_every: int = 1,
 ) -> AllReduceTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -201,6 +212,15 @@ def allreduce(
         asynchronously and overlaps with compute), or ``"auto"`` (``ppermute`` s on the outer
         axis of a hierarchical reduction only). See
         :meth:`~gift_jax.comm.collectives.AllReduceSpec.permutes`.
+      scale_sync_every: ``1`` (default): per-tensor scales fresh on every step. ``K > 1``:
+        stale synced scales, as the artifact's per-layer scales synced every 50 steps: on
+        steps 0, K, 2K, … every per-tensor scale (the senders' and the reduced mean's) is
+        computed fresh and ``pmax``-shared by the replicas (what ``global_scale=True`` gives
+        on every step), and reused until the next sync; values beyond ``fmax`` times it are
+        clipped, and each leaf's share of clipped elements is kept in the state
+        (``AllReduceState.saturation``, :func:`saturation_metrics`). Applies to the buckets
+        of per-tensor codecs (fp8, int8 without ``block_size``); a flat reduction of whole
+        leaves (no ``intra_axis``, ``shards`` or ``groups``).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -215,6 +235,14 @@ def allreduce(
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")
+    if isinstance(scale_sync_every, bool) or not isinstance(scale_sync_every, int) or (
+            scale_sync_every < 1):
+        raise ValueError(f"scale_sync_every={scale_sync_every!r} must be an int >= 1 (steps "
+                         "between syncs of the per-tensor scales; 1: fresh every step)")
+    stale = scale_sync_every > 1
+    if stale and (intra_axis is not None or shards is not None or groups is not None):
+        raise ValueError(f"scale_sync_every={scale_sync_every} needs a flat reduction of whole "
+                         "leaves after the backward pass: intra_axis, shards and groups None")
     if shards is not None and axis_name is None:
         raise ValueError("shards (sharded leaves) needs an axis_name")
     if not isinstance(seed, int):
@@ -241,7 +269,10 @@ def allreduce(
                     init_res, in_specs=(specs,),
                     out_specs=shards.residual_specs(shapes, specs),
                     axis_names=set(shards.axes), check_vma=False)(params)
-        return AllReduceState(key, residuals)
+        if not stale:
+            return AllReduceState(key, residuals)
+        scales, saturation = init_stale_scales(params, spec)
+        return AllReduceState(key, residuals, scales, jnp.zeros((), jnp.int32), saturation)
 
     def reduce(updates, key, residuals):
         if groups is None:
@@ -252,6 +283,12 @@ def allreduce(
         del params
         require_per_device(updates, spec.reduced_axes, "gift_jax.allreduce")
         key, sub = step_keys(state)
+        if stale:
+            due = state.scale_step % scale_sync_every == 0
+            reduced, residuals, scales, saturation = all_reduce_tree_stale(
+                updates, spec, state.scales, due, key=sub, residuals=state.residuals)
+            return reduced, AllReduceState(key, residuals, scales, state.scale_step + 1,
+                                           saturation)
         if shards is None:
             reduced, residuals = reduce(updates, sub, state.residuals)
         else:  # each device reduces its own shard (manual over shards.axes as well)
@@ -292,23 +329,29 @@ def reset_error_feedback(state: Any, changed: jax.Array | bool | None = None) ->
     after a projection change (adding the unsent part ``e`` of ``R₁ = D₁⁻¹P₁ᵀG`` to ``R₂`` would
     apply ``P₂D₂e`` instead of ``P₁D₁e``), or a one-off diagnostic reduction that must not see
     the training run's buffers.  ``changed``: ``None`` (always) or a replicated bool (a change
-    decided under ``lax.cond``; the buffers are kept where it is False).
+    decided under ``lax.cond``; the buffers are kept where it is False).  Held stale scales
+    (``scale_sync_every > 1``) are zeroed with them: the next reduction syncs anew (a scale
+    of the former coordinates means nothing either).
 
     Args:
       state: an optimizer state.
       changed: ``None`` or a replicated bool scalar.
 
     Returns:
-      ``state`` with zero residuals (where ``changed``).
+      ``state`` with zero residuals and held scales (where ``changed``).
     """
+    if changed is None:
+        zero = jnp.zeros_like
+    else:
+        zero = lambda r: jnp.where(changed, jnp.zeros_like(r), r)
 
     def fix(node):
-        if not isinstance(node, AllReduceState) or node.residuals is None:
+        if not isinstance(node, AllReduceState):
             return node
-        if changed is None:
-            zero = jnp.zeros_like
-        else:
-            zero = lambda r: jnp.where(changed, jnp.zeros_like(r), r)
+        if node.scales is not None:
+            node = node._replace(scales=jax.tree.map(zero, node.scales))
+        if node.residuals is None:
+            return node
         return node._replace(residuals=jax.tree.map(zero, node.residuals))
 
     return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
@@ -348,12 +391,42 @@ def reframe_error_feedback(state: Any, stage: optax.GradientTransformation, tree
         spec = None
 
     def fix(node):
-        if not isinstance(node, AllReduceState) or node.residuals is None:
+        if not isinstance(node, AllReduceState):
+            return node
+        if node.scales is not None:  # a scale of the old frame means nothing: sync anew
+            node = node._replace(scales=jax.tree.map(
+                lambda s, m: jnp.zeros_like(s) if m else s, node.scales, moved))
+        if node.residuals is None:
             return node
         return node._replace(residuals=reframe_residuals(node.residuals, tree, change, moved,
                                                          spec))
 
     return jax.tree.map(fix, state, is_leaf=lambda x: isinstance(x, AllReduceState))
+
+
+def saturation_metrics(opt_state: Any) -> dict[str, float]:
+    """Each leaf's saturation on the last step under stale synced scales
+    (``allreduce(scale_sync_every > 1)``): ``comm/saturation/<leaf path>``, the share of the
+    replicas' gradient elements beyond their stale scale (clipped), and
+    ``comm/saturation_mean/<leaf path>``, the share of the reduced mean's; host side.
+
+    Args:
+      opt_state: an optimizer state holding :class:`AllReduceState` s (found anywhere).
+
+    Returns:
+      ``{metric: float}``; ``{}`` where no state holds saturation.
+    """
+    out: dict[str, float] = {}
+    nodes = [n for n in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, AllReduceState)) if isinstance(n, AllReduceState) and n.saturation is not None]
+    for node in nodes:
+        flat = jax.tree_util.tree_flatten_with_path(node.saturation)[0]
+        for path, rates in flat:
+            rates = jax.device_get(rates)
+            name = leaf_path(path)
+            out[f"comm/saturation/{name}"] = float(rates[0])
+            out[f"comm/saturation_mean/{name}"] = float(rates[1])
+    return out
 
 
 def allreduce_spec(stage: optax.GradientTransformation) -> AllReduceSpec | None:
@@ -584,8 +657,8 @@ def partition_specs(opt_state, axis_name: AxisName, shards: LocalShards | None =
     def specs(node):
         if isinstance(node, AllReduceState):
             per_device = residuals_specs(node.residuals)
-            return AllReduceState(jax.tree_util.tree_map(lambda _: PartitionSpec(), node.key),
-                                  per_device)
+            replicated = jax.tree_util.tree_map(lambda _: PartitionSpec(), node)
+            return replicated._replace(residuals=per_device)
         return jax.tree_util.tree_map(lambda _: PartitionSpec(), node)
 
     return jax.tree_util.tree_map(specs, opt_state,

@@ -42,6 +42,7 @@ from gift_jax.training.mesh import mesh_shape
 from gift_jax.training.optimizers import OPTIMIZER_NAMES, get_optimizer
 from gift_jax.utils.tree_paths import unmatched
 from gift_jax.whitening.factors import EIG_METHODS
+from gift_jax.whitening.stage import EMA_SCHEMES
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ BUNDLED_CORPUS = "shakespeare"
 GRID_AUTO_BYTES = 16_000_000
 #: Settings whose default changed, with the value they had before: a checkpoint that lacks
 #: one ran with it (:func:`config_differences`, :func:`resolve_data_pipeline`).
-FORMER_DEFAULTS: dict[str, Any] = {"data.pipeline": "grid"}
+FORMER_DEFAULTS: dict[str, Any] = {"data.pipeline": "grid", "gift.ema_scheme": "artifact"}
+#: ``gift.ema_scheme`` values (:data:`gift_jax.whitening.stage.EMA_SCHEMES`).
+GIFT_EMA_SCHEMES = EMA_SCHEMES
 GIFT_REMAINDERS = {"diagonal": "lowrank_diag", "isotropic": "lowrank_isotropic"}
 #: ``gift.route_frame`` values: :data:`gift_jax.whitening.stage.ROUTE_FRAMES` plus
 #: ``"optimizer"`` (``"adam"`` for AdamW, ``"muon"`` for Muon).
@@ -491,6 +494,10 @@ def _validate_gift_numbers(config) -> None:
     _positive_int(config, "gift.rank")
     _number(config, "gift.damping", low=0, low_open=True)
     _number(config, "gift.ema", low=0, high=1, high_open=True)
+    _choice(config, "gift.ema_scheme", GIFT_EMA_SCHEMES)
+    if config.gift.ema_scheme == "bias_corrected":
+        _positive_int(config, "gift.stats_every")
+        _number(config, "gift.stats_half_life", low=0, low_open=True)
 
 
 def _validate_plumage_gift(config) -> None:
@@ -645,6 +652,34 @@ def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
             "coverage in the forward pass); or set comm.reduce_in='after'")
 
 
+def _validate_scale_sync(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> None:
+    """``comm.scale_sync_every``: an int >= 1; above 1 (stale synced per-tensor scales,
+    :func:`gift_jax.allreduce`'s ``scale_sync_every``) only where such scales exist and the
+    reduction is the flat one after the backward pass over whole leaves."""
+    _positive_int(config, "comm.scale_sync_every")
+    every = config.comm.scale_sync_every
+    if every == 1:
+        return
+    codec = get_codec(config.comm.codec)
+    block = config.comm.scaling == "block" and codec.supports_block_scaling
+    if not codec.has_leaf_scale or codec.row_scale_dtype is not None or block:
+        raise ConfigError(
+            f"comm.scale_sync_every={every} reuses per-tensor scales; allowed with comm.codec "
+            "fp8_e4m3, fp8_e5m2 or int8 and comm.scaling='tensor' (got comm.codec="
+            f"{config.comm.codec!r}, comm.scaling={config.comm.scaling!r}); or set it to 1")
+    for name, bad, why in (
+            ("mesh.intra_size", config.mesh.intra_size > 1, "a flat reduction"),
+            ("comm.reduce_in", config.comm.reduce_in != "after", "the reduction after the "
+             "backward pass"),
+            ("mesh.fsdp", sizes.get("fsdp", 1) > 1, "whole leaves on every device"),
+            ("mesh.tensor", sizes.get("tensor", 1) > 1, "whole leaves on every device")):
+        if bad:
+            raise ConfigError(
+                f"comm.scale_sync_every={every} needs {why}: set "
+                f"{name}={'after' if name == 'comm.reduce_in' else 1}, or "
+                "comm.scale_sync_every=1")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices, and
     resolves ``data.pipeline='auto'`` in place (:func:`resolve_data_pipeline`: the one
@@ -730,6 +765,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
         raise ConfigError(
             "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
         )
+    _validate_scale_sync(config, sizes)
     if (method == "none" and not get_codec(config.comm.codec).is_scaled and intra > 1
             and config.comm.intra_codec != "fp32"):
         raise ConfigError(
@@ -951,9 +987,11 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
 
     A field the checkpoint lacks whose current value is its :data:`TRAINER_DEFAULTS` value is
     not a difference: the checkpoint predates the setting and ran with that behaviour (with
-    its :data:`FORMER_DEFAULTS` value where the default has changed since). A current
-    ``data.pipeline='auto'`` (a config not yet resolved by :func:`validate_config`) matches
-    any stored pipeline: resuming, it resolves to the checkpoint's. A
+    its :data:`FORMER_DEFAULTS` value where the default has changed since; a ``gift.*`` one
+    only where the resuming run whitens, :func:`gift_runs`: a run without GIFT never read
+    it). A current ``data.pipeline='auto'`` (a config not yet resolved by
+    :func:`validate_config`) matches any stored pipeline: resuming, it resolves to the
+    checkpoint's. A
     checkpoint's former ``comm.mode`` is compared as its ``comm.codec`` + ``comm.method``
     (:data:`LEGACY_COMM_MODES`), so runs written before the split resume bit-exactly.
 
@@ -979,7 +1017,8 @@ def config_differences(stored_json: str, config: ml_collections.ConfigDict) -> l
         a, b = stored.get(name, missing), current.get(name, missing)
         if name == "data.pipeline" and b == "auto":
             continue  # auto resolves to the checkpoint's pipeline (resolve_data_pipeline)
-        if a is missing and name in FORMER_DEFAULTS:
+        if a is missing and name in FORMER_DEFAULTS and (
+                not name.startswith("gift.") or gift_runs(config)):
             a = FORMER_DEFAULTS[name]
         elif a is missing and name in defaults and b == defaults[name]:
             continue

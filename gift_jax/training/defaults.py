@@ -112,6 +112,10 @@ def default_config() -> ml_collections.ConfigDict:
     comm.stochastic_rounding = False  # unbiased rounding in the quantizer
     comm.error_feedback = False  # carry each replica's quantization error to the next step
     comm.fp8_accumulation = False  # emulate the artifact's FP8 NCCL accumulation (global pmax)
+    # per-tensor scales: 1 = fresh every step (each sender its own); K > 1: synced across the
+    # replicas (pmax) every K steps and reused in between, values beyond them clipped and
+    # counted (the artifact syncs every 50 steps); per-tensor fp8/int8 codecs only
+    comm.scale_sync_every = 1
     comm.intra_codec = "fp32"  # codec inside the intra-node axis when mesh.intra_size > 1
     comm.distribute_refresh = True  # spread GIFT/PLUMAGE refresh decompositions over replicas
     # when the gradient is reduced: "after" the backward pass (one bucket plan over the tree) |
@@ -129,7 +133,14 @@ def default_config() -> ml_collections.ConfigDict:
     gift.rank = 32  # eigenpairs kept in the low-rank input factor A
     gift.refresh_every = 50  # steps between factor refreshes (K)
     gift.damping = 1e-3  # floor of the remainder / Tikhonov damping of A
-    gift.ema = 0.95  # EMA decay of A across refreshes
+    # the EMA of A: "bias_corrected" (a per-step EMA of half-life gift.stats_half_life steps,
+    # normalised by the weight folded so far; statistics folded every gift.stats_every steps and
+    # on refreshes, which rebuild the factors from it) | "artifact" (the public artifact's: EMA
+    # gift.ema per refresh, the first statistic unweighted; stats_every/half_life not read)
+    gift.ema_scheme = "bias_corrected"
+    gift.stats_every = 5  # bias_corrected: capture + fold A every this many steps (>= 1)
+    gift.stats_half_life = 10.0  # bias_corrected: steps after which a statistic weighs half
+    gift.ema = 0.95  # artifact: EMA decay of A across refreshes
     gift.remainder = "diagonal"  # remainder of A beyond rank r: "diagonal" | "isotropic"
     gift.two_sided = False  # also whiten the output side with B = E[g gᵀ] (two-sided K-FAC)
     # per-layer routing on refreshes: whiten a layer only where its measured FP8 round trip is

@@ -11,8 +11,8 @@ A run's gradient communication is two settings:
 
 The run's :class:`~gift_jax.training.recipe.Recipe` holds its :class:`CommPlan`, and the
 trainer asks it — never the config — which optax chain to build (:meth:`CommPlan.build`),
-whether a step refreshes
-(:meth:`CommPlan.refresh_due`), which layers' statistics a step captures
+which variant a step runs (:meth:`CommPlan.refresh_due`: ordinary ``False``, refresh ``True``,
+or :data:`STATS`, GIFT's statistics-only step), which layers' statistics a step captures
 (:meth:`CommPlan.capture_layers`), which extra arguments go to the optimizer's update
 (:meth:`CommPlan.update_kwargs`), where the recorded gradient norm lives
 (:meth:`CommPlan.grad_norm`) and how the fidelity diagnostic reproduces the reduction
@@ -29,7 +29,7 @@ import jax
 import optax
 
 from gift_jax.comm.overlap import reducible_in_backward
-from gift_jax.comm.stage import reset_error_feedback
+from gift_jax.comm.stage import reset_error_feedback, saturation_metrics
 from gift_jax.lowrank import find_plumage_state, plumage
 from gift_jax.lowrank import refresh_due as plumage_refresh_due
 from gift_jax.training import optim
@@ -43,6 +43,56 @@ from gift_jax.whitening.stage import (
     whitened_fraction,
 )
 from gift_jax.whitening.stage import refresh_due as gift_refresh_due
+
+
+class StatsVariant:
+    """The type of :data:`STATS`, the statistics-only step variant (capture the input
+    statistics and fold them into GIFT's EMA, no eigendecomposition): falsy and ``int(STATS)
+    == 0`` (a caller that counts refreshes as ``int(variant)`` counts none), equal only to
+    itself (a key of its own beside ``False`` and ``True``)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __int__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "STATS"
+
+    def __reduce__(self) -> str:
+        return "STATS"
+
+
+#: The statistics-only step variant (:class:`StatsVariant`); the other two are ``False``
+#: (ordinary) and ``True`` (refresh).
+STATS = StatsVariant()
+
+
+def is_refresh(variant: Any) -> bool:
+    """Whether a step variant is the refresh one (``True``; not ``False`` or :data:`STATS`).
+
+    Args:
+      variant: ``False``, ``True`` or :data:`STATS`.
+
+    Returns:
+      ``True`` for the refresh variant.
+    """
+    return variant is not STATS and bool(variant)
+
+
+def captures(variant: Any) -> bool:
+    """Whether a step variant captures input statistics (refresh or :data:`STATS`).
+
+    Args:
+      variant: ``False``, ``True`` or :data:`STATS`.
+
+    Returns:
+      ``True`` for the refresh and statistics variants.
+    """
+    return variant is STATS or is_refresh(variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +129,15 @@ class CommPlan:
     # ---- host side ----------------------------------------------------------------------
 
     def variants(self) -> tuple[bool, ...]:
-        """The step variants a run compiles: ``(False,)``, or ``(False, True)`` with a refresh
-        variant."""
+        """The step variants a run compiles ahead: ``(False,)``, or ``(False, True)`` with a
+        refresh variant (GIFT's statistics-only variant :data:`STATS`, where a plan has one,
+        is compiled on its first step: :attr:`stats_variant`)."""
         return (False,) if self.refresh_every is None else (False, True)
+
+    @property
+    def stats_variant(self) -> bool:
+        """Whether some steps run the statistics-only variant :data:`STATS` (never here)."""
+        return False
 
     def refresh_due(self, step: int, opt_state: Any) -> bool:
         """Whether ``step`` (0-based) runs the refresh variant; never for this plan.
@@ -102,17 +158,17 @@ class CommPlan:
 
     # ---- inside the step ----------------------------------------------------------------
 
-    def capture_layers(self, refresh: bool) -> tuple[str, ...]:
+    def capture_layers(self, refresh: Any) -> tuple[str, ...]:
         """Layers whose input statistics the step variant ``refresh`` captures: the GIFT
-        layers on refresh steps, else none.
+        layers on refresh and statistics steps, else none.
 
         Args:
-          refresh: whether the step is the refresh variant.
+          refresh: the step variant (``False``, ``True`` or :data:`STATS`).
 
         Returns:
-          :attr:`gift_layers` on a refresh step, else ``()``.
+          :attr:`gift_layers` on a refresh or statistics step, else ``()``.
         """
-        return self.gift_layers if refresh else ()
+        return self.gift_layers if captures(refresh) else ()
 
     def coverage_bases(self, refresh: bool, opt_state: Any) -> dict[str, Any] | None:
         """The factor bases whose input coverage the step variant ``refresh`` measures (GIFT's
@@ -139,7 +195,8 @@ class CommPlan:
 
         Returns:
           ``{"gift_stats": A}`` (plus ``"gift_output_stats": B`` when two-sided) on a step
-          that captures layers (:meth:`capture_layers`), else ``{}``.
+          that captures layers (:meth:`capture_layers`), with ``"gift_refresh": False`` on a
+          statistics step (:data:`STATS`: fold, no refresh), else ``{}``.
         """
         kwargs: dict[str, Any] = {}
         if self.capture_layers(refresh):
@@ -147,19 +204,24 @@ class CommPlan:
                 kwargs["gift_stats"], kwargs["gift_output_stats"] = stats
             else:
                 kwargs["gift_stats"] = stats
+            if refresh is STATS:
+                kwargs["gift_refresh"] = False
         return kwargs
 
     def state_metrics(self, opt_state: Any) -> dict[str, float]:
-        """Metrics read from the optimizer state for the diagnostics record.
+        """Metrics read from the optimizer state for the diagnostics record: with stale
+        per-tensor scales (``comm.scale_sync_every > 1``) each leaf's saturation on the last
+        step (:func:`gift_jax.comm.stage.saturation_metrics`: ``comm/saturation/<path>``, the
+        share of the replicas' gradient elements beyond their stale scale, and
+        ``comm/saturation_mean/<path>``, of the reduced mean's).
 
         Args:
           opt_state: the whole optimizer state (on the host's side of the step).
 
         Returns:
-          ``{}`` (no method state to report).
+          ``{metric: value}`` (``{}`` without stale scales).
         """
-        del opt_state
-        return {}
+        return saturation_metrics(opt_state)
 
     def grad_norm(self, inner_state: Any, refresh: bool) -> jax.Array:
         """The reduced-gradient norm this step recorded.
@@ -245,27 +307,55 @@ class CommPlan:
 class GiftPlan(CommPlan):
     """``comm.method='gift'``: GIFT whitening around the all-reduce; refresh steps (every
     ``gift.refresh_every``) capture the input (and with ``gift.two_sided`` output) statistics
-    of ``gift.layers`` and pass them as ``gift_stats=`` (``gift_output_stats=``)."""
+    of ``gift.layers`` and pass them as ``gift_stats=`` (``gift_output_stats=``); under the
+    bias-corrected EMA so do the statistics steps (:data:`STATS`, every ``gift.stats_every``
+    steps), with ``gift_refresh=False``.
+
+    Attributes:
+      stats_every: ``gift.stats_every`` under the bias-corrected EMA, ``None`` under the
+        artifact's (statistics on refreshes only).
+    """
+
+    stats_every: int | None = None
 
     name = "gift"
     stage_state = "GiftState"
 
-    def refresh_due(self, step: int, opt_state: Any) -> bool:
-        """``gift.refresh='fixed'``: every ``gift.refresh_every`` steps; ``'adaptive'``: when
-        the GIFT state's staleness signal says so (reads it from ``opt_state``).
+    @property
+    def stats_variant(self) -> bool:
+        """Whether some steps only fold statistics (:data:`STATS`): the bias-corrected EMA
+        with ``gift.stats_every`` not a multiple of the fixed refresh period (else every
+        statistics step is a refresh step), or with the adaptive rule."""
+        every = self.stats_every
+        if every is None:
+            return False
+        return self.adaptive_refresh is not None or every % self.refresh_every != 0
+
+    def refresh_due(self, step: int, opt_state: Any) -> Any:
+        """The step's variant: refresh (``True``) under ``gift.refresh='fixed'`` every
+        ``gift.refresh_every`` steps, under ``'adaptive'`` when the GIFT state's staleness
+        signal says so (reads it from ``opt_state``); else, under the bias-corrected EMA,
+        :data:`STATS` every ``gift.stats_every`` steps (fold the statistics, keep the
+        factors); else ``False``.
 
         Args:
-          step: the 0-based index of the step about to run (read by the fixed rule).
+          step: the 0-based index of the step about to run (read by the fixed clocks).
           opt_state: the whole optimizer state before the step (the adaptive rule reads its
             :class:`~gift_jax.whitening.stage.GiftState`, a device-to-host transfer).
 
         Returns:
-          Whether the step refreshes GIFT's factors.
+          ``True``, :data:`STATS` or ``False``.
         """
         if self.adaptive_refresh is None:
-            return gift_refresh_due(step, self.refresh_every)
-        return refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
-                                    *self.adaptive_refresh)
+            due = gift_refresh_due(step, self.refresh_every)
+        else:
+            due = refresh_due_adaptive(optax.tree.get(opt_state, "GiftState"),
+                                       *self.adaptive_refresh)
+        if due:
+            return True
+        if self.stats_every is not None and step % self.stats_every == 0:
+            return STATS
+        return False
 
     def coverage_bases(self, refresh, opt_state):
         """Adaptive refresh: on ordinary steps, the bases of the GIFT state's factors (the
@@ -280,7 +370,7 @@ class GiftPlan(CommPlan):
           ``{kernel path: (B, S)}`` of :func:`~gift_jax.whitening.stage.coverage_bases`, or
           ``None`` on refresh steps, under the fixed rule, or when no factor has a basis yet.
         """
-        if refresh or self.adaptive_refresh is None:
+        if captures(refresh) or self.adaptive_refresh is None:
             return None
         return coverage_bases(optax.tree.get(opt_state, "GiftState")) or None
 
@@ -297,27 +387,29 @@ class GiftPlan(CommPlan):
           ``{"gift_coverage": stats}`` (``{}`` without sums) on an ordinary step of the
           adaptive rule, else :meth:`CommPlan.update_kwargs`'s arguments.
         """
-        if self.adaptive_refresh is not None and not refresh:
+        if self.adaptive_refresh is not None and not captures(refresh):
             return {"gift_coverage": stats} if stats else {}
         return super().update_kwargs(refresh, stats)
 
     def state_metrics(self, opt_state):
-        """With ``gift.route_frame`` on: ``gift/whitened_fraction`` (of all selected matrices)
-        and ``gift/whitened/<layer path>`` (fraction of that leaf's matrices, e.g. the layers
-        of a scanned stack) sent through the whitened transport until the next refresh.
+        """:meth:`CommPlan.state_metrics`, and with ``gift.route_frame`` on:
+        ``gift/whitened_fraction`` (of all selected matrices) and ``gift/whitened/<layer
+        path>`` (fraction of that leaf's matrices, e.g. the layers of a scanned stack) sent
+        through the whitened transport until the next refresh.
 
         Args:
           opt_state: the whole optimizer state, holding the
             :class:`~gift_jax.whitening.stage.GiftState`.
 
         Returns:
-          These metrics as floats; ``{}`` with ``gift.route_frame='off'``.
+          These metrics as floats (none of GIFT's with ``gift.route_frame='off'``).
         """
+        out = super().state_metrics(opt_state)
         state = optax.tree.get(opt_state, "GiftState")
         frac = whitened_fraction(state)
         if frac is None:
-            return {}
-        out = {"gift/whitened_fraction": float(frac)}
+            return out
+        out["gift/whitened_fraction"] = float(frac)
         for path, use in state.member("use_whitening").items():
             out[f"gift/whitened/{path}"] = float(jax.numpy.mean(use.astype("float32")))
         return out

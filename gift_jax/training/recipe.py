@@ -117,6 +117,8 @@ class CommOptions:
       bucket_elems: the bucket size in elements.
       exchange: how quantized bytes cross the data axis (``"auto"``, ``"all_to_all"``,
         ``"permute"``; :func:`gift_jax.allreduce`).
+      scale_sync_every: per-tensor scales synced every this many steps and reused in between
+        (1: fresh every step; :func:`gift_jax.allreduce`).
     """
 
     codec: Codec
@@ -131,6 +133,7 @@ class CommOptions:
     reduce_in: str
     bucket_elems: int
     exchange: str
+    scale_sync_every: int = 1
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
@@ -155,7 +158,8 @@ class CommOptions:
                    intra_codec=comm["intra_codec"],
                    distribute_refresh=bool(comm["distribute_refresh"]), seed=seed,
                    stacked_layers=stacked_layers, reduce_in=comm["reduce_in"],
-                   bucket_elems=int(comm["bucket_elems"]), exchange=comm["exchange"])
+                   bucket_elems=int(comm["bucket_elems"]), exchange=comm["exchange"],
+                   scale_sync_every=int(comm.get("scale_sync_every", 1)))
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:
@@ -187,6 +191,7 @@ class CommOptions:
             bucket_elems=self.bucket_elems,
             groups=LayerGroups(self.stacked_layers) if self.reduce_in == "backward" else None,
             exchange=self.exchange,
+            scale_sync_every=self.scale_sync_every,
         )
 
 
@@ -208,6 +213,15 @@ class GiftOptions:
     min_refresh_every: int
     max_refresh_every: int
     eig_method: str
+    ema_scheme: str = "bias_corrected"
+    stats_every: int = 5
+    stats_half_life: float = 10.0
+
+    @property
+    def stats_clock(self) -> int | None:
+        """Every how many steps statistics are folded without a refresh (``gift.stats_every``
+        under the bias-corrected EMA), or ``None``: only on refreshes (the artifact's EMA)."""
+        return int(self.stats_every) if self.ema_scheme == "bias_corrected" else None
 
     @property
     def adaptive_refresh(self) -> tuple[float, int, int] | None:
@@ -257,7 +271,7 @@ class GiftOptions:
             factor=GIFT_REMAINDERS[self.remainder],
             damping=self.damping,
             eig_method=self.eig_method,
-            ema=self.ema,
+            ema=self.ema if self.ema_scheme == "artifact" else None,
             axis_name=axis_name_of(axes),
             two_sided=two_sided,
             distribute_refresh=comm.distribute_refresh,
@@ -265,6 +279,8 @@ class GiftOptions:
             route_frame=self.route_frame,
             route_adam_eps=adam_eps,
             track_coverage=track_coverage,
+            ema_scheme=self.ema_scheme,
+            stats_half_life=float(self.stats_half_life),
         )
 
 
@@ -319,7 +335,7 @@ def comm_plan(method: str, codec: Codec, gift_options: GiftOptions,
     g = gift_options
     if method == "gift":
         return GiftPlan(codec.name, g.refresh_every, g.layers, g.two_sided,
-                        adaptive_refresh=g.adaptive_refresh)
+                        adaptive_refresh=g.adaptive_refresh, stats_every=g.stats_clock)
     if method == "plumage":
         layers = g.layers if plumage_options.gift else ()
         return PlumagePlan(codec.name, plumage_options.refresh_every, layers)

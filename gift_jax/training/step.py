@@ -22,7 +22,10 @@ all-reduce stage reduces each device's local shard across ``data`` in a nested `
 Variants: GIFT factor and PLUMAGE projection refreshes are static choices; the host picks
 ``refresh=True/False`` per step (:meth:`TrainStep.refresh_due`) and each variant is compiled
 once, ahead of time, with the same in/out shardings, so carried state moves between variants
-without resharding or recompilation. Parameters and optimizer state are donated.
+without resharding or recompilation. GIFT's bias-corrected EMA adds a third,
+:data:`~gift_jax.training.method.STATS` (capture the statistics and fold them, no
+eigendecomposition), on the steps its plan says, compiled on the first of them. Parameters
+and optimizer state are donated.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from gift_jax.comm.overlap import loss_and_reduced_grads
 from gift_jax.comm.wire import WireReport, parse_hlo
 from gift_jax.models import model_spec
 from gift_jax.training.mesh import FSDP_AXIS, batch_axes, data_axes, model_axes
-from gift_jax.training.method import Optimizer
+from gift_jax.training.method import STATS, Optimizer, captures
 from gift_jax.training.optim import SkipState
 from gift_jax.training.sharding import (
     ParamLayout,
@@ -296,7 +299,9 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
       mesh: the run's mesh.
       opt_specs: the optimizer state's ``shard_map`` specs.
       accum_steps: microbatches per step.
-      refresh: compile the refresh variant (statistics captured, extra update arguments).
+      refresh: the variant: ``False`` (ordinary), ``True`` (refresh: statistics captured,
+        extra update arguments) or :data:`~gift_jax.training.method.STATS` (statistics
+        captured and folded, no refresh).
       layout: the parameters' split over the model axes, or ``None``.
 
     Returns:
@@ -315,7 +320,7 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         params = _constrain(params, specs)
         if sharded:
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
-        if optimizer.in_backward and not refresh:  # reduced inside the backward pass
+        if optimizer.in_backward and not captures(refresh):  # reduced inside the backward
             loss, grads, reduced = _loss_and_reduced_grads(
                 model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
                 optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state), sharded)
@@ -449,8 +454,8 @@ class TrainStep:
             jax.ShapeDtypeStruct((global_batch, seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding),
         )
-        self._compiled: dict[bool, jax.stages.Compiled] = {}
-        self._wire: dict[bool, WireReport] = {}
+        self._compiled: dict[Any, jax.stages.Compiled] = {}
+        self._wire: dict[Any, WireReport] = {}
         self.compile_count = 0
 
     def abstract_args(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
@@ -471,17 +476,26 @@ class TrainStep:
         return (jax.device_put(params, self.param_shardings),
                 jax.device_put(opt_state, self.opt_shardings))
 
-    def compiled(self, refresh: bool) -> jax.stages.Compiled:
+    def _variant(self, refresh: Any) -> Any:
+        """``refresh`` as a key of the compiled variants: :data:`STATS` where the plan has
+        statistics steps, else ``True`` where it has a refresh variant, else ``False``."""
+        if refresh is STATS:
+            return STATS if self.optimizer.plan.stats_variant else False
+        return bool(refresh) and True in self.variants()
+
+    def compiled(self, refresh: Any) -> jax.stages.Compiled:
         """The compiled variant (compiling it on first use).
 
         Args:
-          refresh: the refresh variant (a run without one gets the ordinary variant).
+          refresh: the variant: ``False``, ``True`` (the refresh variant; a run without one
+            gets the ordinary variant) or :data:`~gift_jax.training.method.STATS` (the
+            statistics-only variant; a run without one gets the ordinary variant).
 
         Returns:
           The compiled ``(params, opt_state, batch) → (params, opt_state, metrics)``
           (``params`` and ``opt_state`` are donated).
         """
-        refresh = bool(refresh) and True in self.variants()
+        refresh = self._variant(refresh)
         if refresh not in self._compiled:
             fn = train_step_fn(self.model_def, self.optimizer, self.mesh, self.opt_specs,
                                accum_steps=self.accum_steps, refresh=refresh,
@@ -498,23 +512,25 @@ class TrainStep:
             self.compile_count += 1
         return self._compiled[refresh]
 
-    def refresh_due(self, step: int, opt_state: OptState) -> bool:
-        """Whether ``step`` (0-based) runs the refresh variant (the plan's rule).
+    def refresh_due(self, step: int, opt_state: OptState) -> Any:
+        """The variant ``step`` (0-based) runs (the plan's rule): ``True`` (refresh),
+        :data:`~gift_jax.training.method.STATS` (statistics only; falsy, ``int`` 0) or
+        ``False``.
 
         Args:
           step: the 0-based index of the step about to run.
           opt_state: the whole optimizer state before the step.
 
         Returns:
-          Whether to call the refresh variant.
+          The variant to call.
         """
         return self.optimizer.plan.refresh_due(step, opt_state)
 
     def __call__(self, params: Params, opt_state: OptState, batch: jax.Array,
-                 refresh: bool = False) -> tuple[Params, OptState, Metrics]:
+                 refresh: Any = False) -> tuple[Params, OptState, Metrics]:
         return self.compiled(refresh)(params, opt_state, batch)
 
-    def wire_report(self, refresh: bool = False) -> WireReport:
+    def wire_report(self, refresh: Any = False) -> WireReport:
         """Collectives of a variant and their bytes per device (from the compiled HLO).
 
         Args:
@@ -523,12 +539,14 @@ class TrainStep:
         Returns:
           The variant's :class:`~gift_jax.comm.wire.WireReport` (cached).
         """
-        refresh = bool(refresh) and True in self.variants()
+        refresh = self._variant(refresh)
         if refresh not in self._wire:
             self._wire[refresh] = parse_hlo(self.compiled(refresh).as_text(),
                                                      mesh=self.mesh)
         return self._wire[refresh]
 
     def variants(self) -> tuple[bool, ...]:
-        """The variants this run uses: ``(False,)`` or ``(False, True)``."""
+        """The variants this run compiles ahead: ``(False,)`` or ``(False, True)`` (a plan's
+        statistics-only variant, :data:`~gift_jax.training.method.STATS`, compiles on its
+        first step)."""
         return self.optimizer.plan.variants()

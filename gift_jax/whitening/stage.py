@@ -32,15 +32,32 @@ compiles a refresh variant and an ordinary variant, and the ordinary one does no
 (no ``lax.cond``, no counter that could drift under ``optax.MultiSteps``).  ``stats`` maps each
 selected leaf path to its *local* (per-device) mean second moment, shape ``batch + (n, n)``
 (what :func:`gift_jax.whitening.capture.with_input_stats` returns); the stage averages it over
-``axis_name`` (``None`` = single device), folds it into an EMA (the first refresh takes it as
-is), and rebuilds the factors (spread over the replicas and all-gathered unless
-``distribute_refresh=False``), which are therefore identical on every replica; this step is
-already whitened with the new factors.  Robustness: a layer whose reduced statistic is
-non-finite keeps its previous EMA and gets the identity factor until the next refresh; a factor
-that comes out non-finite is rebuilt with 100× damping, then replaced by the identity
-(:func:`gift_jax.whitening.make_factor`); both are counted in the state.  When to refresh is
-the host's decision (e.g. :func:`refresh_due` every K steps; the artifact's K is 50): the stage
-refreshes exactly when it is given ``gift_stats``, and counts steps since the last refresh.
+``axis_name`` (``None`` = single device), folds it into an EMA (see below), and rebuilds the
+factors (spread over the replicas and all-gathered unless ``distribute_refresh=False``), which
+are therefore identical on every replica; this step is already whitened with the new factors.
+``update(g, state, params, gift_stats=stats, gift_refresh=False)`` only folds the statistics
+(no eigendecomposition; the factors stay): a third variant, for statistics gathered more often
+than the factors are rebuilt.
+
+The EMA of the statistics (``ema_scheme``).  ``"bias_corrected"`` (the default): a per-*step*
+exponential moving average with half-life ``stats_half_life`` steps, corrected for its start
+(Adam's bias correction): a fold after ``Δ`` steps (the state counts them, ``stats_count``)
+has decay ``β = 2^(−Δ/h)``, the running weight ``w ← β·w + (1 − β)`` (``stats_weight``), and
+``A ← A + (1 − β)/w · (Ā − A)``: the EMA is the normalised average of every folded statistic,
+weighted by the steps it stands for and their age, so the first fold takes ``Ā`` exactly and
+a constant statistic stays exact.  How often statistics are folded is the caller's choice
+(every step, every few steps, or on refreshes only); the refresh is only the factorisation's
+clock.  ``"artifact"``: the public artifact's rule, ``A ← ema·A + (1 − ema)·Ā`` per fold with
+the first statistic taken as is (over 60k steps harmless; over a few hundred steps with folds
+on refreshes every 50 steps the step-0 statistic keeps ``0.95³ ≈ 0.86`` of the weight after
+200 steps); its state has no ``stats_weight``/``stats_count``.
+
+Robustness: a layer whose reduced statistic is non-finite keeps its previous EMA and gets the
+identity factor until the next refresh; a factor that comes out non-finite is rebuilt with
+100× damping, then replaced by the identity (:func:`gift_jax.whitening.make_factor`); both
+are counted in the state.  When to refresh is the host's decision (e.g. :func:`refresh_due`
+every K steps; the artifact's K is 50): the stage refreshes exactly when it is given
+``gift_stats`` (without ``gift_refresh=False``), and counts steps since the last refresh.
 Before the first refresh the factor is the identity, i.e. the stage is a pass-through to
 ``inner``.
 
@@ -132,6 +149,7 @@ from gift_jax.utils.matrices import MatrixDimensionNumbers, MatrixView
 from gift_jax.utils.tree_paths import leaf_path, matches, require_matches
 
 __all__ = [
+    "EMA_SCHEMES",
     "ROUTE_FRAMES",
     "GiftDimensionNumbers",
     "GiftLeafState",
@@ -142,6 +160,7 @@ __all__ = [
     "coverage_basis",
     "coverage_bases",
     "coverage_ratio",
+    "fold_statistics",
     "former_state_path",
     "input_coverage",
     "refresh_due",
@@ -161,6 +180,12 @@ GiftDimensionNumbers = MatrixDimensionNumbers
 #: error is smaller in that frame (see :func:`frame_errors`).
 ROUTE_FRAMES = ("off", "euclidean", "whitened", "adam", "muon")
 
+#: Values of ``gift(ema_scheme=...)`` (module docstring, "The EMA of the statistics"):
+#: ``"bias_corrected"`` (a per-step EMA of half-life ``stats_half_life`` steps, normalised by
+#: the weight folded so far) or ``"artifact"`` (the public artifact's per-fold EMA ``ema``,
+#: the first statistic taken as is).
+EMA_SCHEMES = ("bias_corrected", "artifact")
+
 
 class GiftLeafState(NamedTuple):
     """State of one whitened leaf.  B = product of its batch axes (1 for a plain 2-D kernel);
@@ -174,6 +199,7 @@ class GiftLeafState(NamedTuple):
     route_error: jax.Array | None = None  # (2, B) f32: [Euclidean, whitened] error (routing)
     coverage: jax.Array | None = None  # (B,) f32: input coverage, last step (track_coverage)
     coverage_ref: jax.Array | None = None  # (B,) f32: the same on the last refresh
+    stats_weight: jax.Array | None = None  # (B,) f32: weight folded so far (bias_corrected)
 
 
 #: The members of :class:`GiftLeafState`.
@@ -214,6 +240,7 @@ class GiftState(NamedTuple):
     identity_fallbacks: jax.Array  # () int32: factors replaced by the identity, cumulative
     whitened: dict[str, GiftLeafState]  # leaf path -> its state
     inner_state: Any  # state of the wrapped all-reduce stage
+    stats_count: jax.Array | None = None  # () int32: steps since the last fold (bias_corrected)
 
     def member(self, name: str) -> dict[str, Any]:
         """``{leaf path: that leaf's member name}`` over the leaves where it is not ``None``
@@ -573,7 +600,7 @@ class Settings:
     rank: int
     factor: str
     damping: float
-    ema: float
+    ema: float | None
     damping_mode: str
     axis_name: Any
     sqrt: str
@@ -588,6 +615,8 @@ class Settings:
     route_frame: str
     route_adam_eps: float
     track_coverage: bool
+    ema_scheme: str
+    stats_half_life: float
     inner: Any
     reduce_stage: Any
     comm_axis: Any
@@ -596,6 +625,12 @@ class Settings:
     def routing(self) -> bool:
         """Whether refreshes measure both transports and route (``route_frame != "off"``)."""
         return self.route_frame != "off"
+
+    @property
+    def bias_corrected(self) -> bool:
+        """Whether the statistics' EMA is the per-step, bias-corrected one (else the
+        artifact's per-fold EMA)."""
+        return self.ema_scheme == "bias_corrected"
 
     @property
     def use_basis(self) -> bool:
@@ -655,8 +690,21 @@ class Settings:
             raise ValueError(
                 f"gift: damping_mode must be 'relative' or 'absolute', got {k['damping_mode']!r}"
             )
-        if not 0.0 <= k["ema"] < 1.0:
-            raise ValueError(f"gift: ema must be in [0, 1), got {k['ema']!r}")
+        if k["ema_scheme"] not in EMA_SCHEMES:
+            raise ValueError(
+                f"gift: ema_scheme must be one of {EMA_SCHEMES}, got {k['ema_scheme']!r}")
+        if k["ema_scheme"] == "artifact":
+            k["ema"] = 0.95 if k["ema"] is None else k["ema"]
+            if not 0.0 <= k["ema"] < 1.0:
+                raise ValueError(f"gift: ema must be in [0, 1), got {k['ema']!r}")
+        elif k["ema"] is not None:
+            raise ValueError(f"gift: ema={k['ema']!r} is the per-fold decay of "
+                             "ema_scheme='artifact'; pass that scheme with it, or "
+                             "stats_half_life= for the bias-corrected EMA")
+        h = k["stats_half_life"]
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < float("inf"):
+            raise ValueError(f"gift: stats_half_life must be a number of steps > 0, got {h!r}")
+        k["stats_half_life"] = float(h)
         if k["sqrt"] not in ("cholesky", "symmetric"):
             raise ValueError(f"gift: sqrt must be 'cholesky' or 'symmetric', got {k['sqrt']!r}")
         if not (isinstance(k["block_size"], int) and k["block_size"] >= 1):
@@ -719,7 +767,8 @@ def init_state(s: Settings, params: Any) -> GiftState:
             out_stats=zeros(b, m, m) if s.two_sided else None,
             basis=zeros(b, n, min(s.rank, n)) if s.use_basis and s.rank < n else None,
             use_whitening=jnp.ones((b,), bool) if s.routing else None,
-            route_error=zeros(2, b) if s.routing else None, coverage=cov, coverage_ref=cov)
+            route_error=zeros(2, b) if s.routing else None, coverage=cov, coverage_ref=cov,
+            stats_weight=zeros(b) if s.bias_corrected else None)
 
     z = jnp.zeros((), jnp.int32)
     sel = s.select(params)
@@ -727,7 +776,7 @@ def init_state(s: Settings, params: Any) -> GiftState:
     return GiftState(
         count=z, refreshes=z, damped_fallbacks=z, identity_fallbacks=z,
         whitened={path: leaf(lay) for path, lay in sel.items()},
-        inner_state=s.inner.init(params))
+        inner_state=s.inner.init(params), stats_count=z if s.bias_corrected else None)
 
 
 def check_scattered(s: Settings, sel: Mapping[str, MatrixView]) -> None:
@@ -807,7 +856,8 @@ def check_stats(name: str, given: Any, want_shapes: Mapping[str, tuple[int, ...]
 
 def reduce_ema(s: Settings, given: Mapping[str, jax.Array], old: Mapping[str, jax.Array]
                ) -> tuple[dict, dict, dict]:
-    """pmean over replicas, then EMA per layer ``(B, n, n)``.
+    """pmean over replicas, then the artifact's EMA per layer ``(B, n, n)``
+    (``ema_scheme="artifact"``; the bias-corrected one is in :func:`fold_statistics`).
 
     ``A ← ema·A + (1 − ema)·Ā`` with ``Ā`` this step's reduced statistic. A layer whose
     reduced statistic is non-finite keeps its old statistic (the EMA is never poisoned); a
@@ -833,6 +883,136 @@ def reduce_ema(s: Settings, given: Mapping[str, jax.Array], old: Mapping[str, ja
         finite[path] = ok
         reduced[path] = a
     return new, finite, reduced
+
+
+def reduce_statistics(s: Settings, given: Mapping[str, jax.Array],
+                      old: Mapping[str, jax.Array]) -> tuple[dict, dict]:
+    """This step's statistics averaged over the replicas, and which are finite.
+
+    Args:
+      s: the stage's settings (``axis_name``).
+      given: the checked local statistics ``{leaf path: batch + (n, n)}`` (any float dtype).
+      old: the EMA so far, ``{leaf path: (B, n, n)}`` (its shapes are the results').
+
+    Returns:
+      ``(reduced {path: (B, n, n)} fp32, finite {path: (B,) bool})`` over ``given``'s paths.
+    """
+    reduced, finite = {}, {}
+    for path, a in given.items():
+        a = pmean(jnp.asarray(a, jnp.float32).reshape(old[path].shape), s.axis_name)
+        reduced[path] = a
+        finite[path] = jnp.all(jnp.isfinite(a), axis=(-2, -1))
+    return reduced, finite
+
+
+def bias_corrected_ema(a: jax.Array, old: jax.Array, weight: jax.Array, decay: jax.Array,
+                       keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One fold of the bias-corrected EMA (``ema_scheme="bias_corrected"``) of a stack of
+    statistics ``(B, n, n)``.
+
+    With ``β = decay`` (the decay over the steps since the last fold) the running weight
+    becomes ``w' = β·w + (1 − β)`` and the EMA ``A' = A + (1 − β)/w' · (Ā − A)``: the average
+    of every folded statistic weighted by ``1 − β`` of its fold and its age, normalised by
+    the weight so far.  A matrix never folded (``w = 0``, or a zero trace) takes ``Ā``
+    exactly; a constant ``Ā`` stays exact (``Ā − A = 0``); a matrix where ``keep`` is false
+    (a non-finite statistic) keeps its EMA and weight.
+
+    Args:
+      a: this fold's reduced statistics ``(B, n, n)`` fp32.
+      old: the EMA ``(B, n, n)`` fp32.
+      weight: the weight folded so far ``(B,)`` fp32 (0 before the first fold).
+      decay: ``β``, a () fp32 in ``(0, 1]``.
+      keep: ``(B,)`` bool, the matrices to update.
+
+    Returns:
+      ``(new EMA (B, n, n), new weight (B,))``.
+    """
+    fresh = (weight == 0) | (jnp.trace(old, axis1=-2, axis2=-1) == 0)
+    w_old = jnp.where(fresh, 0.0, weight)
+    w_new = decay * w_old + (1.0 - decay)
+    alpha = (1.0 - decay) / jnp.where(w_new > 0, w_new, 1.0)
+    upd = jnp.where(fresh[:, None, None], a, old + alpha[:, None, None] * (a - old))
+    return (jnp.where(keep[:, None, None], upd, old), jnp.where(keep, w_new, weight))
+
+
+def fold_statistics(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
+                    gift_stats: Any, gift_output_stats: Any = None
+                    ) -> tuple[GiftState, dict, dict]:
+    """``state`` with this step's statistics reduced over the replicas and folded into the EMA
+    by the stage's ``ema_scheme`` (module docstring); the factors are not touched.
+
+    Args:
+      s: the stage's settings.
+      state: the state before the fold.
+      sel: ``{leaf path: MatrixView}`` of this step's updates.
+      gift_stats: ``{leaf path: batch + (n, n)}`` local ``E[xxᵀ]``.
+      gift_output_stats: with ``two_sided=True``, ``{leaf path: batch + (m, m)}``; else
+        ``None``.
+
+    Returns:
+      ``(state, finite, step_a)``: the state with ``stats`` (and ``out_stats``) folded, and
+      with ``bias_corrected`` the weights folded and ``stats_count`` 0; ``finite`` ``{path:
+      (B,) bool}`` (the matrices whose statistics were finite, both sides when two-sided);
+      ``step_a`` this step's reduced ``Ā`` ``{path: (B, n, n)}``.
+
+    Raises:
+      ValueError: statistics with other keys or shapes than the layers, output statistics
+        missing with ``two_sided=True`` or given without it.
+    """
+    old_stats, old_out_stats = state.member("stats"), state.member("out_stats")
+    widths = {path: old_stats[path].shape[-1] for path in sel}  # n: A's side
+    in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
+    given = check_stats("gift_stats", gift_stats, in_shapes)
+    out_given = None
+    if s.two_sided:
+        if gift_output_stats is None:
+            raise ValueError("gift: two_sided=True needs gift_output_stats with gift_stats")
+        out_given = check_stats(
+            "gift_output_stats", gift_output_stats,
+            {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()})
+    elif gift_output_stats is not None:
+        raise ValueError("gift: gift_output_stats given but two_sided=False")
+    if not s.bias_corrected:  # the artifact's per-fold EMA, exactly as before
+        stats, finite, step_a = reduce_ema(s, given, old_stats)
+        out_stats = old_out_stats
+        if s.two_sided:
+            out_stats, out_finite, _ = reduce_ema(s, out_given, old_out_stats)
+            finite = {p: finite[p] & out_finite[p] for p in finite}
+        return state.with_members(stats=stats, out_stats=out_stats), finite, step_a
+    step_a, finite = reduce_statistics(s, given, old_stats)
+    out_a = {}
+    if s.two_sided:
+        out_a, out_finite = reduce_statistics(s, out_given, old_out_stats)
+        finite = {p: finite[p] & out_finite[p] for p in finite}
+    # the decay over the steps this fold stands for (since the last fold, this one included)
+    steps = (state.stats_count + 1).astype(jnp.float32)
+    decay = jnp.exp2(-steps / jnp.float32(s.stats_half_life))
+    weights = state.member("stats_weight")
+    stats, out_stats, new_weights = {}, dict(old_out_stats), {}
+    for path in sel:
+        stats[path], new_weights[path] = bias_corrected_ema(
+            step_a[path], old_stats[path], weights[path], decay, finite[path])
+        if s.two_sided:
+            out_stats[path], _ = bias_corrected_ema(
+                out_a[path], old_out_stats[path], weights[path], decay, finite[path])
+    state = state.with_members(stats=stats, out_stats=out_stats, stats_weight=new_weights)
+    return state._replace(stats_count=jnp.zeros((), jnp.int32)), finite, step_a
+
+
+def count_step(state: GiftState) -> GiftState:
+    """``state`` one step further on a step that neither refreshes nor folds: ``count`` + 1
+    (and ``stats_count`` + 1 under the bias-corrected EMA).
+
+    Args:
+      state: a :class:`GiftState`.
+
+    Returns:
+      The state with its step counters advanced.
+    """
+    state = state._replace(count=state.count + 1)
+    if state.stats_count is not None:
+        state = state._replace(stats_count=state.stats_count + 1)
+    return state
 
 
 def build_factor(s: Settings, a: jax.Array, b_stats: jax.Array | None, proj: jax.Array | None,
@@ -882,27 +1062,12 @@ def build_factor(s: Settings, a: jax.Array, b_stats: jax.Array | None, proj: jax
 
 def _refresh_statistics(s: Settings, state: GiftState, sel: Mapping[str, MatrixView],
                         gift_stats: Any, gift_output_stats: Any, gift_projection: Any
-                        ) -> tuple[dict, dict, dict, dict, dict]:
-    """A refresh's checked and reduced inputs: ``(stats, out_stats, finite, this step's A,
-    projections {path: M} of the projected layers)``."""
-    old_stats, old_out_stats = state.member("stats"), state.member("out_stats")
-    widths = {path: old_stats[path].shape[-1] for path in sel}  # n: A's side
+                        ) -> tuple[GiftState, dict, dict, dict]:
+    """A refresh's statistics folded (:func:`fold_statistics`) and its projections checked:
+    ``(state, finite, this step's A, projections {path: M} of the projected layers)``."""
+    widths = {path: state.whitened[path].stats.shape[-1] for path in sel}  # n: A's side
     projected = [path for path, lay in sel.items() if widths[path] != lay.n_reduction]
-    in_shapes = {path: lay.batch_shape + (widths[path],) * 2 for path, lay in sel.items()}
-    stats, finite, step_a = reduce_ema(s, check_stats("gift_stats", gift_stats, in_shapes),
-                                       old_stats)
-    out_stats = old_out_stats
-    if s.two_sided:
-        if gift_output_stats is None:
-            raise ValueError("gift: two_sided=True needs gift_output_stats on refresh steps")
-        out_stats, out_finite, _ = reduce_ema(
-            s, check_stats("gift_output_stats", gift_output_stats,
-                           {p: lay.batch_shape + (lay.n_output,) * 2 for p, lay in sel.items()}),
-            old_out_stats,
-        )
-        finite = {p: finite[p] & out_finite[p] for p in finite}
-    elif gift_output_stats is not None:
-        raise ValueError("gift: gift_output_stats given but two_sided=False")
+    state, finite, step_a = fold_statistics(s, state, sel, gift_stats, gift_output_stats)
     projs = {}
     if projected:
         if gift_projection is None:
@@ -919,7 +1084,7 @@ def _refresh_statistics(s: Settings, state: GiftState, sel: Mapping[str, MatrixV
                          "coordinates (see GiftState.with_input_widths)")
     projs = {p: jnp.asarray(m, jnp.float32).reshape(sel[p].batch, widths[p], sel[p].n_reduction)
              for p, m in projs.items()}
-    return stats, out_stats, finite, step_a, projs
+    return state, finite, step_a, projs
 
 
 def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_stats: Any,
@@ -940,8 +1105,9 @@ def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_s
     Raises:
       ValueError: statistics (or projections) with other keys or shapes than the layers.
     """
-    stats, out_stats, finite, step_a, projs = _refresh_statistics(
+    state, finite, step_a, projs = _refresh_statistics(
         s, state, sel, gift_stats, gift_output_stats, gift_projection)
+    stats, out_stats = state.member("stats"), state.member("out_stats")
     key = jax.random.fold_in(jax.random.key(s.seed), state.refreshes)
     jobs = {}
     for path, lay in sel.items():
@@ -969,8 +1135,7 @@ def refresh(s: Settings, state: GiftState, sel: Mapping[str, MatrixView], gift_s
     if s.track_coverage:
         cov = {p: jax.vmap(input_coverage)(factors[p], step_a[p]) for p in sel}
         state = state.with_members(coverage=cov, coverage_ref=cov)
-    return state.with_members(
-        stats=stats, out_stats=out_stats, basis=basis, factor=factors)._replace(
+    return state.with_members(basis=basis, factor=factors)._replace(
             count=jnp.zeros((), jnp.int32), refreshes=state.refreshes + 1,
             damped_fallbacks=n_damped, identity_fallbacks=n_ident)
 
@@ -1169,21 +1334,27 @@ def refresh_and_reframe(s: Settings, state: GiftState, sel: Mapping[str, MatrixV
 
 def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
            gift_stats: Any = None, gift_output_stats: Any = None, gift_projection: Any = None,
-           gift_coverage: Any = None, gift_route_updates: Any = None, **extra_args: Any
-           ) -> tuple[Any, GiftState]:
-    """The stage's update: refresh (when ``gift_stats`` is given) or count the step, then
-    ``W⁻¹ · inner(W · G)`` on the selected matrices routed whitened (``G`` elsewhere).
+           gift_coverage: Any = None, gift_route_updates: Any = None, gift_refresh: bool = True,
+           **extra_args: Any) -> tuple[Any, GiftState]:
+    """The stage's update: refresh (when ``gift_stats`` is given), fold the statistics only
+    (``gift_stats`` with ``gift_refresh=False``) or count the step, then ``W⁻¹ · inner(W · G)``
+    on the selected matrices routed whitened (``G`` elsewhere).
 
     Args:
       s: the stage's settings.
       updates: this replica's gradients (inside ``shard_map``).
       state: the :class:`GiftState`.
       params: passed to ``inner``.
-      gift_stats: on refresh steps only, ``{leaf path: batch + (n, n)}`` local ``E[xxᵀ]``.
+      gift_stats: on refresh and statistics steps only, ``{leaf path: batch + (n, n)}`` local
+        ``E[xxᵀ]``.
       gift_output_stats: with ``two_sided=True``, ``{leaf path: batch + (m, m)}``.
       gift_projection: for layers fed projected coordinates, ``{leaf path: batch + (n, k)}``.
       gift_coverage: with ``track_coverage=True``, on ordinary steps (module docstring).
       gift_route_updates: on a routed refresh, the gradients to measure the routes on.
+      gift_refresh: with ``gift_stats``: ``True`` (default) refreshes the factors, ``False``
+        folds the statistics into the EMA only (:func:`fold_statistics`; no
+        eigendecomposition, the factors and routes stay; with ``track_coverage=True`` the
+        coverage is measured on this step's reduced ``Ā``). A static Python bool.
       **extra_args: forwarded to ``inner``.
 
     Returns:
@@ -1195,18 +1366,30 @@ def update(s: Settings, updates: Any, state: GiftState, params: Any = None, *,
     require_per_device(updates, s.comm_axis, "gift_jax.gift")
     sel = s.select(updates)
     check_scattered(s, sel)
+    if not isinstance(gift_refresh, bool):
+        raise ValueError(f"gift: gift_refresh must be a Python bool, got {gift_refresh!r}")
     if gift_coverage is not None and (gift_stats is not None or not s.track_coverage):
         raise ValueError("gift: gift_coverage is for the ordinary steps of a "
                          "gift(track_coverage=True) stage (refreshes take gift_stats)")
-    if gift_stats is not None:
+    if gift_stats is not None and gift_refresh:
         state = refresh_and_reframe(s, state, sel, updates, gift_stats, gift_output_stats,
                                     gift_projection, gift_route_updates)
     elif (gift_output_stats is not None or gift_projection is not None
-          or gift_route_updates is not None):
+          or gift_route_updates is not None) and gift_stats is None:
         raise ValueError("gift: gift_output_stats/gift_projection/gift_route_updates need "
                          "gift_stats")
+    elif gift_stats is not None:  # a statistics step: fold, keep the factors
+        if gift_projection is not None or gift_route_updates is not None:
+            raise ValueError("gift: gift_projection/gift_route_updates are for refreshes, not "
+                             "gift_refresh=False")
+        state, _, step_a = fold_statistics(s, state, sel, gift_stats, gift_output_stats)
+        state = state._replace(count=state.count + 1)  # steps since the last refresh
+        if s.track_coverage:
+            cov = {p: jax.vmap(input_coverage)(state.whitened[p].factor, step_a[p])
+                   for p in sel}
+            state = state.with_members(coverage=cov)
     else:
-        state = state._replace(count=state.count + 1)
+        state = count_step(state)
         if s.track_coverage:
             state = state.with_members(coverage=measured_coverage(s, state, sel, gift_coverage))
     factors, use = state.member("factor"), state.member("use_whitening") or None
@@ -1241,7 +1424,7 @@ def frame_in_backward(s: Settings, params: Any, state: GiftState) -> AroundAllRe
         raise ValueError("gift: a track_coverage=True stage measures each step's input "
                          "coverage (gift_coverage=) and reduces after the backward pass")
     sel = s.select(params)
-    state = state._replace(count=state.count + 1)
+    state = count_step(state)
     factors, use = state.member("factor"), state.member("use_whitening") or None
     index = {leaf_path(p): i
              for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
@@ -1303,7 +1486,7 @@ def gift(
     rank: int = 32,
     factor: str = "lowrank_isotropic",
     damping: float = 1e-3,
-    ema: float = 0.95,
+    ema: float | None = None,
     *,
     damping_mode: str = "relative",
     axis_name: str | tuple[str, ...] | None = None,
@@ -1319,6 +1502,8 @@ def gift(
     route_frame: str = "off",
     route_adam_eps: float = 1e-8,
     track_coverage: bool = False,
+    ema_scheme: str = "bias_corrected",
+    stats_half_life: float = 10.0,
 ) -> optax.GradientTransformationExtraArgs:
     """GIFT: whiten the selected layers' gradients, run ``inner``, unwhiten.
 
@@ -1328,7 +1513,10 @@ def gift(
       rank: r of the low-rank factors (``rank >= n`` gives the exact dense factor).
       factor: one of :data:`gift_jax.whitening.FACTOR_KINDS`.
       damping: ε, relative to tr(A)/n (``damping_mode="relative"``) or absolute.
-      ema: EMA decay of the statistics across refreshes (artifact: 0.95); 0 = latest only.
+      ema: with ``ema_scheme="artifact"``, the EMA decay of the statistics per fold
+        (``None``: the artifact's 0.95, folded on refreshes); 0 = latest only. Not read by
+        the bias-corrected EMA (giving it there is an error: ``stats_half_life`` is its
+        decay).
       axis_name: data-parallel axis (or tuple) to average statistics over; ``None`` takes the
         axis of ``inner`` when it is a :func:`gift_jax.allreduce` stage, else one device.
       sqrt: ``"cholesky"`` (W = L⁻¹, the artifact) or ``"symmetric"`` (A^{-1/2}) for the
@@ -1359,6 +1547,12 @@ def gift(
       track_coverage: keep the staleness signal of :func:`refresh_due_adaptive` in the state
         (:func:`input_coverage`, every step; its value on the last refresh as the
         reference); ordinary steps then need ``gift_coverage=`` (see the module docstring).
+      ema_scheme: one of :data:`EMA_SCHEMES`: ``"bias_corrected"`` (default), a per-step EMA
+        of half-life ``stats_half_life`` steps normalised by the weight folded so far (the
+        state counts the steps between folds), or ``"artifact"``, the artifact's EMA ``ema``
+        per fold with the first statistic taken as is (module docstring).
+      stats_half_life: the bias-corrected EMA's half-life in steps (> 0): a statistic folded
+        ``h`` steps ago weighs half as much as this step's.
 
     Returns:
       A :class:`GiftTransformation` (an ``optax.GradientTransformationExtraArgs``) with state
@@ -1372,5 +1566,6 @@ def gift(
         eig_method=eig_method, eig_iters=eig_iters, eig_oversample=eig_oversample,
         dimension_numbers=dimension_numbers, two_sided=two_sided,
         distribute_refresh=distribute_refresh, seed=seed, route_frame=route_frame,
-        route_adam_eps=route_adam_eps, track_coverage=track_coverage)
+        route_adam_eps=route_adam_eps, track_coverage=track_coverage, ema_scheme=ema_scheme,
+        stats_half_life=stats_half_life)
     return GiftTransformation(functools.partial(init_state, s), functools.partial(update, s), s)

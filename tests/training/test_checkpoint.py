@@ -6,6 +6,7 @@ layout of GIFT's state) resuming bit-exactly."""
 import json
 import runpy
 
+import jax
 import pytest
 from trainer_kit import (
     ROOT,
@@ -176,3 +177,65 @@ def test_checkpoint_of_the_former_gift_state_layout_resumes_bit_exactly(tmp_path
     assert resumed.step == 6
     assert_trees_equal(resumed.params, full.params)
     assert_trees_equal(resumed.opt_state, full.opt_state)
+
+
+def test_gift_statistics_steps_resume_bit_exactly(tmp_path):
+    """GIFT's bias-corrected EMA with statistics steps between refreshes (refresh every 4,
+    statistics every 2: steps 0 R, 2 S, 4 R): 6 steps == 3, Ctrl-C, 3 more, bit for bit
+    (the EMA, its weights and step count included); the statistics variant compiles once, on
+    its first step."""
+    from trainer_kit import FAST
+
+    from gift_jax.training.mesh import make_mesh
+    from gift_jax.training.program import program_for
+
+    config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2],
+                          **{"gift.refresh_every": 4, "gift.stats_every": 2})
+    full = run(config, stop_after=6)
+    with pytest.raises(KeyboardInterrupt, match="step 3"):
+        run(config, str(tmp_path), batches=interrupting_batches(2), stop_after=6)
+    resumed = run(config, str(tmp_path), resume=True, stop_after=3)
+    assert resumed.step == 6
+    assert_trees_equal(resumed.params, full.params)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+    gift = [s for s in jax.tree.leaves(full.opt_state, is_leaf=lambda x: type(x).__name__
+                                       == "GiftState") if type(s).__name__ == "GiftState"][0]
+    assert int(gift.refreshes) == 2 and int(gift.stats_count) == 1 and int(gift.count) == 1
+    program = program_for(complete_config(config), make_mesh(1), FAST)
+    assert program.step.compile_count == 3 and program.step.variants() == (False, True)
+
+
+def test_checkpoint_of_the_artifact_ema_resumes_under_it_bit_exactly(tmp_path, monkeypatch):
+    """A GIFT checkpoint written before gift.ema_scheme existed ran the artifact's EMA (its
+    state has the layout of gift.ema_scheme='artifact'): resuming under the new default is
+    refused in one line naming the setting, and under 'artifact' it continues exactly as the
+    uninterrupted run."""
+    from gift_jax.training import checkpoint
+    from gift_jax.training.config import to_json
+
+    new = ("gift.ema_scheme", "gift.stats_every", "gift.stats_half_life")
+
+    def before_the_setting(config):
+        return json.dumps({k: v for k, v in json.loads(to_json(config)).items()
+                           if k not in new})
+
+    artifact = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2],
+                            **{"gift.ema_scheme": "artifact"})
+    full = run(artifact, stop_after=6)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "to_json", before_the_setting)
+        run(artifact, str(tmp_path), stop_after=3)
+    default = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2])
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"gift\.ema_scheme: 'artifact' \(checkpoint\) != "
+                             r"'bias_corrected' \(now\)"):
+        run(default, str(tmp_path), resume=True, stop_after=3)
+    resumed = run(artifact, str(tmp_path), resume=True, stop_after=3)
+    assert resumed.step == 6
+    assert_trees_equal(resumed.params, full.params)
+    assert_trees_equal(resumed.opt_state, full.opt_state)
+    # a run without GIFT never read the setting: its old checkpoints resume under the default
+    from gift_jax.training.config import config_differences
+
+    fp8 = small_config("fp8", "adamw")
+    assert config_differences(before_the_setting(fp8), fp8) == []

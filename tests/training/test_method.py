@@ -12,10 +12,13 @@ from trainer_kit import recipe_of
 from gift_jax.training import complete_config
 from gift_jax.training.config import ConfigError, set_fields
 from gift_jax.training.method import (
+    STATS,
     CommPlan,
     GiftPlan,
     PlumagePlan,
     build_optimizer,
+    captures,
+    is_refresh,
 )
 from gift_jax.training.recipe import route_frame
 
@@ -50,6 +53,43 @@ def test_each_method_gets_its_plan(config):
     assert isinstance(plumage, PlumagePlan) and plumage.gift_layers == ("*/mlp/down_proj",)
     assert plumage.update_kwargs(False, None) == {"plumage_refresh": False}
     assert plumage.update_kwargs(True, "A") == {"plumage_refresh": True, "gift_stats": "A"}
+
+
+def _plan(config, fields):
+    """The plan of a copy of ``config`` with ``fields`` set."""
+    return plan_of(set_fields(complete_config(config), fields))
+
+
+def test_gift_statistics_steps_between_refreshes(config):
+    """The bias-corrected EMA folds statistics every gift.stats_every steps (STATS: capture,
+    fold with gift_refresh=False) and refreshes every gift.refresh_every; the artifact's folds
+    on refreshes only."""
+    gift = _plan(config, {"comm.codec": "fp8_e4m3", "comm.method": "gift",
+                          "gift.refresh_every": 25, "gift.stats_every": 10})
+    assert gift.stats_every == 10 and gift.stats_variant
+    assert [gift.refresh_due(s, None) for s in (0, 5, 10, 20, 25, 30, 50)] == [
+        True, False, STATS, STATS, True, STATS, True]
+    assert not bool(STATS) and int(STATS) == 0 and STATS != False and STATS != True  # noqa: E712
+    assert is_refresh(True) and not is_refresh(STATS) and not is_refresh(False)
+    assert captures(STATS) and captures(True) and not captures(False)
+    assert gift.capture_layers(STATS) == ("*/mlp/down_proj",)
+    assert gift.update_kwargs(STATS, "A") == {"gift_stats": "A", "gift_refresh": False}
+    assert gift.update_kwargs(True, "A") == {"gift_stats": "A"}
+    assert gift.variants() == (False, True)  # STATS compiles on its first step
+    every_refresh = _plan(config, {"comm.method": "gift", "gift.refresh_every": 5,
+                                   "gift.stats_every": 10})
+    assert not every_refresh.stats_variant  # every statistics step is a refresh step
+    artifact = _plan(config, {"comm.method": "gift", "gift.refresh_every": 25,
+                              "gift.ema_scheme": "artifact"})
+    assert artifact.stats_every is None and not artifact.stats_variant
+    assert [artifact.refresh_due(s, None) for s in (0, 10, 25)] == [True, False, True]
+    for bad, match in (({"gift.stats_every": 0}, r"^gift.stats_every=0 must be an int >= 1$"),
+                       ({"gift.stats_half_life": -1.0}, r"^gift.stats_half_life=-1.0 must be "),
+                       ({"gift.ema_scheme": "adam"}, r"^gift.ema_scheme='adam' is not "
+                                                     r"supported; allowed: bias_corrected, "
+                                                     r"artifact$")):
+        with pytest.raises(ConfigError, match=match):
+            _plan(config, {"comm.method": "gift", **bad})
 
 
 def test_two_sided_gift_passes_both_statistics(config):

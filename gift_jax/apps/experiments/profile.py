@@ -18,6 +18,14 @@ of training steps starting at a checkpoint step s, with R simulated replicas
   (``‖W(Ĝ−G)‖/‖WG‖``, W the full input-side factor of the step's own A); and the Euclidean
   error of the GIFT transport (rank-r factor and stale whitened-frame scale, both from step s).
 
+* **saturation under the library's stale scales** (``library_saturation``): the same window
+  reduced by the library's own all-reduce with ``scale_sync_every`` (``comm.scale_sync_every``
+  in the trainer) — every profiled kernel gradient of the R replicas in one tree, the scales
+  synced on the window's first step and reused for the rest, run in ``jax.shard_map`` over R
+  devices — and each leaf's share of the replicas' elements clipped beyond its stale scale,
+  as the all-reduce counts it (``AllReduceState.saturation``); with fewer than R devices the
+  column is absent (``scripts/profile_layers.py`` asks for R simulated CPU devices).
+
 Metrics are averaged over the sampled steps of the window (every ``stride`` steps).  Layers are
 ranked by saturation ratio (the artifact's score), ties broken by underflow then round-trip
 error; the top-n (optionally among ``candidates`` patterns, e.g. ``*/mlp/down_proj`` as in
@@ -131,6 +139,56 @@ def _factor(a, kind, rank, damping):
     return wh.make_factor(a, kind, rank=rank, damping=damping)[0]
 
 
+class StaleScaleReduction:
+    """The library's all-reduce (``gift_jax.allreduce(codec, scale_sync_every=K)``) over R
+    devices of a ``data`` mesh, driven with the replicas' gradients of one window: the first
+    call syncs the scales, the next ``K − 1`` reuse them, and :meth:`__call__` returns each
+    leaf's share of the replicas' elements clipped (``AllReduceState.saturation[0]``)."""
+
+    def __init__(self, codec: str, calls_per_sync: int, replicas: int):
+        """Args:
+          codec: a per-tensor codec.
+          calls_per_sync: K, in calls (the window's sampled steps).
+          replicas: R, the devices of the mesh (the first R devices).
+        """
+        from jax.sharding import PartitionSpec as P
+
+        from gift_jax.comm.stage import allreduce
+
+        self.mesh = jax.make_mesh((replicas,), ("data",), devices=jax.devices()[:replicas])
+        self.tx = allreduce("data", codec, scale_sync_every=max(int(calls_per_sync), 2))
+
+        def body(g, st):
+            _, st = self.tx.update(jax.tree.map(lambda x: x[0], g), st)
+            return st
+
+        self._step = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("data"), P()),
+                                           out_specs=P(), check_vma=False))
+        self._init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(),
+                                           out_specs=P(), check_vma=False))
+        self.state = None
+
+    def __call__(self, grads: dict[str, jax.Array]) -> dict[str, float]:
+        """One call: ``{path: share of the replicas' elements beyond the stale scale}``.
+
+        Args:
+          grads: ``{kernel path: (R, n, m)}`` the replicas' gradients.
+
+        Returns:
+          The clipped share per path on this call (0 on the syncing first call).
+        """
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        if self.state is None:
+            self.state = self._init({p: jnp.zeros(jnp.shape(x)[1:], jnp.float32)
+                                     for p, x in grads.items()})
+        g = jax.device_put(dict(grads), NamedSharding(self.mesh, P("data")))
+        self.state = self._step(g, self.state)
+        sat = jax.device_get(self.state.saturation)
+        return {p: float(v[0]) for p, v in sat.items()}
+
+
 def profile_layers(
     trainer: Trainer,
     checkpoints: Sequence[int] = (0, 100, 300),
@@ -164,7 +222,8 @@ def profile_layers(
       verbose: print each window's time.
 
     Returns:
-      The dict above, the metrics those of :func:`layer_metrics`.
+      The dict above, the metrics those of :func:`layer_metrics` and, with at least
+      ``replicas`` devices, ``library_saturation`` (module docstring).
 
     Raises:
       ValueError: checkpoints that do not increase by at least ``window``, or a checkpoint
@@ -182,9 +241,13 @@ def profile_layers(
         t0 = time.perf_counter()
         acc: dict[str, list[dict]] = {}
         scales = gift_facts = gift_scales = None
+        calls = len(range(0, window, stride))
+        library = (StaleScaleReduction(codec, calls, replicas)
+                   if jax.device_count() >= replicas else None)
         for k in range(0, window, stride):
             trainer.advance(s + k - trainer.step)
             cap = capture_replicas(trainer, fn, replicas * local_batch)
+            lib = library(cap.grads) if library is not None else {}
             if scales is None:  # refresh: synced scales and GIFT factors of step s
                 scales = {p: jnp.max(jax.vmap(lambda x: tensor_scale(x, codec))(g))
                           for p, g in cap.grads.items()}
@@ -195,8 +258,10 @@ def profile_layers(
                     for p, g in cap.grads.items()}
             for p, g in cap.grads.items():
                 mf = _factor(jnp.mean(cap.a[p], 0), "full_cholesky", 0, damping)
-                acc.setdefault(p, []).append(layer_metrics(
-                    g, scales[p], codec, mf, gift_facts[p], gift_scales[p]))
+                metrics = layer_metrics(g, scales[p], codec, mf, gift_facts[p], gift_scales[p])
+                if p in lib:
+                    metrics["library_saturation"] = lib[p]
+                acc.setdefault(p, []).append(metrics)
         result[s] = {p: {k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
                      for p, ms in acc.items()}
         if verbose:
@@ -283,7 +348,10 @@ def profile_markdown(result: dict[int, dict[str, dict[str, float]]], top_n: int,
     selections = {}
     cols = ["rank", "layer", "saturation", "flushed", "subnormal", "rt_euclidean",
             "rt_whitened", "rt_gift", "gift_saturation"]
+    if all("library_saturation" in m for prof in result.values() for m in prof.values()):
+        cols.insert(3, "library_saturation")
     titles = {"saturation": "saturation", "flushed": "flushed to 0", "subnormal": "subnormal",
+              "library_saturation": "clipped, library (scale_sync_every)",
               "rt_euclidean": "rt err (Eucl.)", "rt_whitened": "rt err (whitened frame)",
               "rt_gift": "rt err GIFT r32 (Eucl.)", "gift_saturation": "GIFT saturation"}
     for s, prof in result.items():

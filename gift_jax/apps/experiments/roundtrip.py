@@ -98,6 +98,8 @@ __all__ = [
     "simulate_allreduce",
     "staleness_experiment",
     "tensor_quantize",
+    "transport_markdown",
+    "transport_study",
 ]
 
 #: Layer groups of the tables: inputs of width d_model, and the MLP down-projection (input d_ff).
@@ -334,11 +336,62 @@ class AllReduceResult(NamedTuple):
     shard_err: jax.Array  # (…) mean − Q(mean) (error-feedback buffer 2)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "accumulate", "global_scale"))
+#: FP8 accumulation algorithms of :func:`simulate_allreduce` (``accumulate="fp8"``), every
+#: partial sum stored in the wire format with one shared per-tensor scale, added in fp32:
+#:
+#: * ``"sequential"``: the whole tensor's running sum passes the replicas in order (R − 1
+#:   roundings), then ``/R`` and the mean re-quantized with its own scale (the studies' ring
+#:   until issue #46; ``gift_jax.comm.collectives._fp8_ring_sum`` is its per-shard form);
+#: * ``"nccl"``: NCCL's ring all-reduce: the tensor in R chunks, chunk ``c``'s partial sum
+#:   starting at replica ``c + 1`` and passing the others in ring order (R − 1 roundings,
+#:   each chunk in its own order), the owner's FP8 sum all-gathered as it is (no further
+#:   rounding), then ``/R``;
+#: * ``"tree"``: a binary reduction tree (log₂ R levels of pairwise sums, each rounded), the
+#:   root's FP8 sum broadcast as it is, then ``/R``;
+#: * ``"nccl_headroom"``, ``"tree_headroom"``: the same with the shared scale ``R`` times
+#:   larger (a sum of R values never saturates; every value is coarser).
+RINGS = ("sequential", "nccl", "nccl_headroom", "tree", "tree_headroom")
+
+
+def _fp8_sum(q: jax.Array, codec, scale: jax.Array, ring: str) -> jax.Array:
+    """The FP8-accumulated sum over the leading axis of the decoded values ``q`` (R, …), every
+    partial sum re-encoded with ``scale`` (see :data:`RINGS`)."""
+    r = q.shape[0]
+    requant = lambda x: tensor_quantize(x, codec, scale)
+    if ring == "sequential":
+        total = q[0]
+        for i in range(1, r):
+            total = requant(total + q[i])
+        return total
+    if ring.startswith("tree"):
+        vals = q
+        while vals.shape[0] > 1:
+            k = vals.shape[0] // 2
+            pairs = requant(vals[:k] + vals[k:2 * k])
+            vals = pairs if vals.shape[0] % 2 == 0 else jnp.concatenate(
+                [pairs, vals[2 * k:]])  # an odd one out joins the next level as it is
+        return vals[0]
+    # the NCCL ring: chunk c's sum starts at replica (c + 1) % R and ends at its owner c
+    shape = q.shape[1:]
+    flat = q.reshape(r, -1)
+    n = flat.shape[1]
+    per = -(-n // r)
+    flat = jnp.pad(flat, ((0, 0), (0, per * r - n))).reshape(r, r, per)  # (replica, chunk, …)
+    chunks = jnp.arange(r)
+    order = (chunks[None, :] + 1 + jnp.arange(r)[:, None]) % r  # (hop, chunk) → replica
+    hops = flat[order, chunks[None, :]]  # (hop, chunk, per)
+    total = hops[0]
+    for h in range(1, r):
+        total = requant(total + hops[h])  # every hop of every chunk: one shared scale
+    return total.reshape(-1)[:n].reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "accumulate", "global_scale", "ring"))
 def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str = "fp32",
                        global_scale: bool = False, local_err: jax.Array | None = None,
                        shard_err: jax.Array | None = None,
-                       scales: jax.Array | None = None) -> AllReduceResult:
+                       scales: jax.Array | None = None,
+                       ring: str = "sequential") -> AllReduceResult:
     """Quantized mean over the leading (replica) axis of ``xs`` (R, …); see the module doc.
 
     ``scales`` (R,) overrides the senders' scales (e.g. stale synced scales); ``local_err`` /
@@ -367,6 +420,9 @@ def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str =
         ``None``: none.
       scales: (R,) the senders' scales, in place of the computed ones (and of
         ``global_scale``); ``None``: computed from ``xs``.
+      ring: with ``accumulate="fp8"``, the accumulation algorithm (one of :data:`RINGS`);
+        the variants other than ``"sequential"`` keep no shard error (zeros: no owner
+        re-quantizes the mean).
 
     Returns:
       :class:`AllReduceResult`: ``mean`` (the decoded mean), ``local_err`` (``x_r − Q(x_r)``
@@ -378,6 +434,8 @@ def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str =
     """
     if accumulate not in ("fp32", "fp8"):
         raise ValueError(f"accumulate must be 'fp32' or 'fp8', got {accumulate!r}")
+    if ring not in RINGS:
+        raise ValueError(f"ring must be one of {RINGS}, got {ring!r}")
     xs = xs.astype(jnp.float32)
     r = xs.shape[0]
     if local_err is not None:
@@ -386,16 +444,18 @@ def simulate_allreduce(xs: jax.Array, codec: str = "fp8_e4m3", accumulate: str =
         scales = jax.vmap(lambda x: tensor_scale(x, codec))(xs)
         if global_scale or accumulate == "fp8":
             scales = jnp.broadcast_to(jnp.max(scales), (r,))
+        if accumulate == "fp8" and ring.endswith("headroom"):
+            scales = scales * r
     q = jax.vmap(lambda x, s: tensor_quantize(x, codec, s))(xs, scales)
     if accumulate == "fp32":
         total = q[0]
         for i in range(1, r):
             total = total + q[i]
-    else:  # ring: the running sum travels in the wire format with the shared scale
-        s = scales[0]
-        total = q[0]
-        for i in range(1, r):
-            total = tensor_quantize(total + q[i], codec, s)
+    else:  # the partial sums travel in the wire format with the shared scale
+        total = _fp8_sum(q, codec, scales[0], ring)
+        if ring != "sequential":  # the reduced FP8 sum is gathered as it is
+            mean = total / r
+            return AllReduceResult(mean, xs - q, jnp.zeros_like(mean))
     mean = total / r
     if shard_err is not None:
         mean = mean + shard_err
@@ -1311,6 +1371,218 @@ def plot_refresh_schedules(res: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ============================================================================================
+# Which transport model is the paper's? (issue #46, item 2)
+# ============================================================================================
+
+#: The paper's Table I/II (arXiv 2607.07494; one-step round trip, relative L2 error of the
+#: reduced gradient), by frame.
+PAPER_TABLE = {"Euclidean": 5.28e-2, "input-side full A": 1.77e-2, "rank-32 A": 1.72e-2,
+               "diagonal A": 5.26e-2, "block-128 A": 2.43e-2}
+
+#: The transport models compared with the paper (:func:`transport_study`): ``{name:
+#: settings}``; ``kind`` ``"allreduce"`` (:func:`simulate_allreduce` with ``accumulate`` and
+#: ``ring``), ``"cast_mean"`` (one per-tensor cast of the exact mean, no reduction) or
+#: ``"cast_local"`` (one cast of each replica's own gradient, its error against that
+#: gradient).
+TRANSPORTS: dict[str, dict[str, str]] = {
+    "fp32": {"kind": "allreduce", "accumulate": "fp32"},
+    "ring_sequential": {"kind": "allreduce", "accumulate": "fp8", "ring": "sequential"},
+    "ring_nccl": {"kind": "allreduce", "accumulate": "fp8", "ring": "nccl"},
+    "ring_nccl_headroom": {"kind": "allreduce", "accumulate": "fp8", "ring": "nccl_headroom"},
+    "tree": {"kind": "allreduce", "accumulate": "fp8", "ring": "tree"},
+    "tree_headroom": {"kind": "allreduce", "accumulate": "fp8", "ring": "tree_headroom"},
+    "cast_mean": {"kind": "cast_mean"},
+    "cast_local": {"kind": "cast_local"},
+    "fp32_stale": {"kind": "allreduce", "accumulate": "fp32", "stale": "yes"},
+    "ring_nccl_stale": {"kind": "allreduce", "accumulate": "fp8", "ring": "nccl",
+                        "stale": "yes"},
+}
+
+#: What each transport is, for the tables.
+TRANSPORT_TITLES = {
+    "fp32": "fp32 sums (each sender its own scale, the mean re-cast: the library's)",
+    "ring_sequential": "FP8 ring, whole tensor in sequence + mean re-cast (studies until #46)",
+    "ring_nccl": "NCCL FP8 ring (reduce-scatter, FP8 per hop, all-gather), no headroom",
+    "ring_nccl_headroom": "NCCL FP8 ring, scale with R× headroom",
+    "tree": "FP8 binary tree (FP8 per level), no headroom",
+    "tree_headroom": "FP8 binary tree, scale with R× headroom",
+    "cast_mean": "one cast of the exact mean (no reduction)",
+    "cast_local": "one cast of each replica's gradient (no reduction)",
+    "fp32_stale": "fp32 sums, senders' scales synced (pmax) on an earlier step and reused",
+    "ring_nccl_stale": "NCCL FP8 ring, the shared scale of an earlier step",
+}
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "transport"))
+def _transport_stack(xs: jax.Array, codec: str, transport: str,
+                     scales: jax.Array | None = None) -> jax.Array:
+    """Transport ``xs`` (L, R, n, m) by :data:`TRANSPORTS` ``[transport]``: (L, n, m) means,
+    or (L, R, n, m) for ``"cast_local"``; ``scales`` (L,) the senders' stale shared scales of
+    the ``"stale"`` transports."""
+    t = TRANSPORTS[transport]
+    if t.get("stale"):
+        return jax.vmap(lambda x, sc: simulate_allreduce(
+            x, codec, t["accumulate"], scales=jnp.broadcast_to(sc, (x.shape[0],)),
+            ring=t.get("ring", "sequential")).mean)(xs, scales)
+    if t["kind"] == "cast_local":
+        return jax.vmap(jax.vmap(lambda x: tensor_quantize(x, codec, tensor_scale(x, codec))))(
+            xs)
+    if t["kind"] == "cast_mean":
+        return jax.vmap(lambda x: tensor_quantize(x, codec, tensor_scale(x, codec)))(
+            jnp.mean(xs.astype(jnp.float32), axis=1))
+    return jax.vmap(lambda x: simulate_allreduce(x, codec, t["accumulate"],
+                                                 ring=t.get("ring", "sequential")).mean)(xs)
+
+
+@functools.partial(jax.jit, static_argnames="codec")
+def _shared_scales(xs: jax.Array, codec: str) -> jax.Array:
+    """(L,) the shared (max over the replicas) per-tensor scales of ``xs`` (L, R, …)."""
+    return jax.vmap(lambda y: jnp.max(jax.vmap(lambda z: tensor_scale(z, codec))(y)))(xs)
+
+
+@jax.jit
+def _unwhiten_replicas(factor, g):  # g (L, R, n, m)
+    return jax.vmap(lambda f, x: jax.vmap(lambda y: wh.unwhiten(f, y))(x))(factor, g)
+
+
+def transport_study(
+    captures: Iterable[ReplicaCapture],
+    *,
+    transports: Sequence[str] = tuple(TRANSPORTS),
+    replica_counts: Sequence[int] = (8, 64),
+    codecs: Sequence[str] = ("fp8_e4m3", "fp8_e5m2"),
+    patterns: Sequence[str] = ("*/mlp/down_proj",),
+    damping: float = 1e-3,
+    stale: ReplicaCapture | None = None,
+    verbose: bool = True,
+) -> list[dict[str, Any]]:
+    """The Table I/II frames (:data:`PAPER_TABLE`) through every transport model, at every
+    replica count, each captured step a fresh one-step round trip (factors of its own ``Ā``).
+    The ``"stale"`` transports take the senders' shared scale (the max over the replicas) of
+    ``stale``, an earlier captured step, in the same frame (its gradients whitened by the
+    step's factor), as the artifact's per-layer scales synced every 50 steps.
+
+    Args:
+      captures: the captured steps (consumed one at a time), with at least
+        ``max(replica_counts)`` replicas.
+      transports: keys of :data:`TRANSPORTS`.
+      replica_counts: the R values (the first R replicas of each capture).
+      codecs: the wire formats.
+      patterns: the layers (default: the MLP down-projections, the paper's fc2).
+      damping: the relative damping of the factors.
+      stale: the earlier step of the ``"stale"`` transports (with at least
+        ``max(replica_counts)`` replicas); ``None``: those transports are skipped.
+      verbose: print the time of each captured step.
+
+    Returns:
+      One row per (transport, codec, R, frame): ``rel_l2`` (``‖Ĝ − Ḡ‖/‖Ḡ‖``, pooled over the
+      layers; for ``cast_local`` ``‖Q(G_r) − G_r‖/‖G_r‖`` pooled over the replicas too) and
+      ``rel_l2_local`` (the same error over the replicas' rms gradient norm, ``‖Ĝ −
+      Ḡ‖/√(mean_r ‖G_r‖²)``), each the mean over the captured steps, and ``per_step``.
+
+    Raises:
+      ValueError: an unknown transport.
+    """
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad:
+        raise ValueError(f"transports {bad} are not supported; allowed: {tuple(TRANSPORTS)}")
+    if stale is None:
+        transports = [t for t in transports if not TRANSPORTS[t].get("stale")]
+    methods = [m for m in default_methods((32,)) if m.name in PAPER_TABLE]
+    acc: dict[tuple, list[tuple[float, float]]] = {}
+    try:
+        for i, capture in enumerate(captures):
+            t0 = time.perf_counter()
+            for r in replica_counts:
+                cap = first_replicas(capture, r)
+                old = None if stale is None else first_replicas(stale, r)
+                paths = group_paths(cap, patterns)
+                groups = _shape_groups(paths, cap.grads)
+                for m in methods:
+                    facts = [_cached_factor(m, cap, grp, damping) for grp in groups]
+                    for codec in codecs:
+                        for name in transports:
+                            err2 = ref2 = loc2 = 0.0
+                            for f, grp in zip(facts, groups, strict=True):
+                                g = _stack(cap.grads, grp)  # (L, R, n, m)
+                                x = g if f is None else _whiten_stack(f, g)
+                                sc = None
+                                if TRANSPORTS[name].get("stale"):
+                                    go = _stack(old.grads, grp)
+                                    xo = go if f is None else _whiten_stack(f, go)
+                                    sc = _shared_scales(xo, codec)
+                                out = _transport_stack(x, codec, name, sc)
+                                local = name == "cast_local"
+                                if f is not None:
+                                    out = (_unwhiten_replicas(f, out) if local
+                                           else _unwhiten_stack(f, out))
+                                ref = g if local else jnp.mean(g, axis=1)
+                                err2 += float(jnp.sum((out - ref) ** 2)) / (r if local else 1)
+                                ref2 += float(jnp.sum(ref**2)) / (r if local else 1)
+                                loc2 += float(jnp.sum(g.astype(jnp.float32) ** 2)) / r
+                            acc.setdefault((name, codec, r, m.name), []).append(
+                                (math.sqrt(err2 / ref2), math.sqrt(err2 / loc2)))
+                del cap
+            _FACTOR_CACHE.clear()
+            if verbose:
+                print(f"  transport study: step {i} in {time.perf_counter() - t0:.0f}s",
+                      flush=True)
+    finally:
+        _FACTOR_CACHE.clear()
+    return [dict(transport=k[0], codec=k[1], replicas=k[2], method=k[3],
+                 rel_l2=float(np.mean([v[0] for v in vals])),
+                 rel_l2_local=float(np.mean([v[1] for v in vals])),
+                 per_step=[v[0] for v in vals])
+            for k, vals in acc.items()]
+
+
+def transport_markdown(rows: Sequence[dict[str, Any]], metric: str = "rel_l2",
+                       tolerance: float = 0.25) -> str:
+    """Per (codec, R): every transport's Table I/II row beside the paper's, the diagonal
+    frame's change against Euclidean, and the largest deviation from the paper.
+
+    Args:
+      rows: :func:`transport_study`'s rows.
+      metric: ``"rel_l2"`` (normalised by the mean's norm) or ``"rel_l2_local"`` (by the
+        replicas' rms norm).
+      tolerance: an entry within this relative deviation of the paper's counts as
+        reproduced.
+
+    Returns:
+      The headings and tables, ending in a newline.
+    """
+    frames = list(PAPER_TABLE)
+    out = []
+    for codec in sorted({r["codec"] for r in rows}):
+        for n in sorted({r["replicas"] for r in rows}):
+            sel = {(r["transport"], r["method"]): r[metric] for r in rows
+                   if r["codec"] == codec and r["replicas"] == n}
+            names = list(dict.fromkeys(r["transport"] for r in rows))
+            norm = ("normalised by the mean" if metric == "rel_l2"
+                    else "normalised by the replicas' rms gradient")
+            out.append(f"\n#### {codec}, R = {n} ({norm})\n")
+            out.append("| transport | " + " | ".join(frames)
+                       + " | diag vs Eucl. | worst vs paper | all within "
+                       f"{tolerance:.0%} |")
+            out.append("|---|" + "---:|" * (len(frames) + 3))
+            paper = [PAPER_TABLE[f] for f in frames]
+            out.append("| **paper** | " + " | ".join(f"{v:.2e}" for v in paper)
+                       + f" | {100 * (paper[3] / paper[0] - 1):+.1f} % | | |")
+            for t in names:
+                vals = [sel.get((t, f)) for f in frames]
+                if any(v is None for v in vals):
+                    continue
+                dev = [v / p - 1 for v, p in zip(vals, paper, strict=True)]
+                worst = max(dev, key=abs)
+                diag = 100 * (vals[3] / vals[0] - 1)
+                ok = all(abs(d) <= tolerance for d in dev) and abs(diag) <= 10
+                out.append(f"| {t} | " + " | ".join(f"{v:.2e}" for v in vals)
+                           + f" | {diag:+.1f} % | {100 * worst:+.0f} % | "
+                           f"{'yes' if ok else 'no'} |")
+    return "\n".join(out) + "\n"
 
 
 # ============================================================================================
