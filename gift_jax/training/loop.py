@@ -60,6 +60,7 @@ from gift_jax.training.config import (
     validate_layer_patterns,
 )
 from gift_jax.training.mesh import data_axes, data_parallel_size, mesh_from_config
+from gift_jax.training.method import STATS
 from gift_jax.training.metrics import MetricsWriter, Progress
 from gift_jax.training.optim import learning_rate_schedule
 from gift_jax.training.program import program_for
@@ -432,6 +433,8 @@ class Trainer:
         with self.watch.phase("compile"):
             for variant in step_fn.variants():
                 step_fn.compiled(variant)
+            if program.optimizer.plan.stats_variant:  # GIFT's statistics-only steps
+                step_fn.compiled(STATS)
         # bytes per device across the data axes (on a sharded mesh GSPMD's collectives inside
         # a replica are not counted: they are the model parallelism's, not the reduction's)
         self.wire = {v: step_fn.wire_report(v).over(data_axes(mesh)).total

@@ -547,6 +547,6 @@ class TrainStep:
 
     def variants(self) -> tuple[bool, ...]:
         """The variants this run compiles ahead: ``(False,)`` or ``(False, True)`` (a plan's
-        statistics-only variant, :data:`~gift_jax.training.method.STATS`, compiles on its
-        first step)."""
+        statistics-only variant, :data:`~gift_jax.training.method.STATS`, is compiled beside
+        them by the trainer where the plan has one)."""
         return self.optimizer.plan.variants()
