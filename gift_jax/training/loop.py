@@ -433,8 +433,6 @@ class Trainer:
         with self.watch.phase("compile"):
             for variant in step_fn.variants():
                 step_fn.compiled(variant)
-            if program.optimizer.plan.stats_variant:  # GIFT's statistics-only steps
-                step_fn.compiled(STATS)
         # bytes per device across the data axes (on a sharded mesh GSPMD's collectives inside
         # a replica are not counted: they are the model parallelism's, not the reduction's)
         self.wire = {v: step_fn.wire_report(v).over(data_axes(mesh)).total
@@ -649,6 +647,11 @@ class Trainer:
                     self._stop(signals.received or "SIGTERM")
                 batch = _global_batch(next(self._train_it), step_fn.batch_sharding, shape)
                 refresh = step_fn.refresh_due(self.step, self.opt_state)
+                if refresh is STATS and not step_fn.is_compiled(STATS):
+                    stop_clock()  # GIFT's statistics-only variant compiles on its first step
+                    with self.watch.phase("compile"):
+                        step_fn.compiled(STATS)
+                    clock = time.perf_counter()
                 self.params, self.opt_state, metrics = step_fn(self.params, self.opt_state,
                                                                batch, refresh)
                 window.append(metrics)

@@ -131,7 +131,7 @@ class CommPlan:
     def variants(self) -> tuple[bool, ...]:
         """The step variants a run compiles ahead: ``(False,)``, or ``(False, True)`` with a
         refresh variant (GIFT's statistics-only variant :data:`STATS`, where a plan has one,
-        :attr:`stats_variant`, is compiled beside them by the trainer)."""
+        :attr:`stats_variant`, compiles on its first step, off the trainer's clock)."""
         return (False,) if self.refresh_every is None else (False, True)
 
     @property

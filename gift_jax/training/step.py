@@ -483,6 +483,10 @@ class TrainStep:
             return STATS if self.optimizer.plan.stats_variant else False
         return bool(refresh) and True in self.variants()
 
+    def is_compiled(self, refresh: Any) -> bool:
+        """Whether the variant ``refresh`` (as :meth:`compiled`) has been compiled."""
+        return self._variant(refresh) in self._compiled
+
     def compiled(self, refresh: Any) -> jax.stages.Compiled:
         """The compiled variant (compiling it on first use).
 
@@ -547,6 +551,6 @@ class TrainStep:
 
     def variants(self) -> tuple[bool, ...]:
         """The variants this run compiles ahead: ``(False,)`` or ``(False, True)`` (a plan's
-        statistics-only variant, :data:`~gift_jax.training.method.STATS`, is compiled beside
-        them by the trainer where the plan has one)."""
+        statistics-only variant, :data:`~gift_jax.training.method.STATS`, compiles on its
+        first step, off the trainer's clock)."""
         return self.optimizer.plan.variants()

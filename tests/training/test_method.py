@@ -75,7 +75,7 @@ def test_gift_statistics_steps_between_refreshes(config):
     assert gift.capture_layers(STATS) == ("*/mlp/down_proj",)
     assert gift.update_kwargs(STATS, "A") == {"gift_stats": "A", "gift_refresh": False}
     assert gift.update_kwargs(True, "A") == {"gift_stats": "A"}
-    assert gift.variants() == (False, True)  # the trainer compiles STATS beside them
+    assert gift.variants() == (False, True)  # STATS compiles on its first step
     every_refresh = _plan(config, {"comm.method": "gift", "gift.refresh_every": 5,
                                    "gift.stats_every": 10})
     assert not every_refresh.stats_variant  # every statistics step is a refresh step
