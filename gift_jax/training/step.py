@@ -484,7 +484,11 @@ class TrainStep:
         return bool(refresh) and True in self.variants()
 
     def is_compiled(self, refresh: Any) -> bool:
-        """Whether the variant ``refresh`` (as :meth:`compiled`) has been compiled."""
+        """Whether a variant has been compiled.
+
+        Args:
+          refresh: the variant, as :meth:`compiled`.
+        """
         return self._variant(refresh) in self._compiled
 
     def compiled(self, refresh: Any) -> jax.stages.Compiled:
