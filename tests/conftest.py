@@ -50,6 +50,14 @@ import pytest  # noqa: E402
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The ``slow`` tests (end-to-end runs, each compiling whole train steps) first, each group
+    in its own order: pytest-xdist hands the workers contiguous halves and the idle one
+    steals from the other's end, so a run ends on short tests, not on a worker finishing a
+    long one alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):
     """Removes the run's compilation cache (the controller's, once every worker is done)."""
     if _OWN_CACHE is not None:

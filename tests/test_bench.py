@@ -19,6 +19,7 @@ def test_wire_table_and_throughput_smoke():
     assert tp["cast_s"] > 0 and tp["per_block_over_cast"] > 0 and tp["platform"] == "cpu"
 
 
+@pytest.mark.slow
 def test_device_check_script_smoke(tmp_path):
     """scripts/device_check.py on CPU: the roofline table proves one pass for every kernel and
     codec on GPU and TPU, and the interpreted kernels equal their references bit for bit."""
@@ -71,6 +72,7 @@ def test_bench_data_script_smoke(tmp_path):
     assert report["train_step"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_stream_script_smoke(tmp_path):
     """scripts/bench_stream.py on a 4 MB generated corpus: its JSON lines become one TFDS
     record each, the first batch comes with a freshly trained SentencePiece, the pipeline's

@@ -36,6 +36,7 @@ def test_the_port_changes_at_most_10_lines():
     assert 0 < len(added) <= 10 and len(removed) <= len(added), "\n".join(diff)
 
 
+@pytest.mark.slow
 def test_both_train_and_the_fp8_gift_port_follows_the_original(examples):
     original, ported = examples
     _, l1 = original.train(steps=2)
@@ -66,6 +67,7 @@ def test_both_train_and_the_fp8_gift_port_follows_the_original(examples):
     assert sum(op.buffer_bytes for op in gathered) < 0.5 * sum(op.buffer_bytes for op in u8)
 
 
+@pytest.mark.slow
 def test_the_port_with_fp32_and_no_gift_is_xla_s_own_reduction(examples):
     """fp32, GIFT off: the port's parameters after two steps are the original's to float32
     rounding. Not bit for bit on this model: XLA compiles the per-device backward of the two

@@ -72,6 +72,7 @@ def test_paired_difference_pairs_by_seed():
     assert not F.paired_difference(recs, "b", "a")["distinguishable"]
 
 
+@pytest.mark.slow
 def test_two_run_slice_end_to_end(source, tmp_path):
     recs = F.run_grid([FP8, REF], [0], TINY, tmp_path, source=source, base_config=BASE, log=None)
     assert [r["cell"] for r in recs] == [REF.name, FP8.name]  # reference first
@@ -112,6 +113,7 @@ def test_transport_comparisons_pair_cells_of_one_codec():
     assert "gift − euclidean" in F.format_comparisons(rows)
 
 
+@pytest.mark.slow
 def test_frontier_at_16_replicas_smoke(tmp_path):
     """#23's training cells at R = 16 (the R = 64 measurement's shape): fp8_e5m2 on the FP8
     ring, Euclidean and GIFT, and the fp32 reference, 2 steps each on 16 simulated devices

@@ -79,6 +79,7 @@ def _two_steps(step, params, opt_state):
         "int8_block_permute_scanned", "gift_sr_ef_unrolled_accum",
         "gift_routed_two_sided_unrolled", "plumage_sr_ef_unrolled_accum",
         "fsdp_fp8_sr_ef_unrolled_accum", "fsdp_tensor_fp8_ef_scanned", "fsdp_gift_unrolled"])
+@pytest.mark.slow
 def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum, extra):
     """Two steps (GIFT: a refresh step, which reduces after the backward, then an ordinary
     step with the new factors, reduced inside it)."""
@@ -99,6 +100,7 @@ def test_in_backward_step_is_bit_identical_to_after_backward(codec, scan, accum,
     ("fp8_e4m3", False, 1, {"mesh.fsdp": 2, "comm.method": "plumage"}),
 ], ids=["fp32_scanned", "fp32_unrolled_accum", "gift_scanned_accum", "plumage_scanned",
         "fsdp_plumage_unrolled"])
+@pytest.mark.slow
 def test_in_backward_step_agrees_to_rounding_where_not_bit_identical(codec, scan, accum, extra):
     """The fp32 codec (a plain psum, whose fusion with the accumulation XLA:CPU may round
     differently in the two graphs), scanned layers with GIFT or PLUMAGE (jax 0.12); PLUMAGE on an
@@ -124,6 +126,7 @@ def _loop_bodies(hlo: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", "plumage"])
 def test_scanned_layers_reduce_inside_the_backward_loop(method):
     """In-backward: the u8 all-to-all of the layers' fp8 reduction (PLUMAGE: of their projected

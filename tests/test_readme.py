@@ -57,6 +57,7 @@ def test_the_readme_is_short():
         f"of docs/api/ and link it")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for _, b in BLOCKS], ids=[name for name, _ in BLOCKS])
 def test_python_block_runs(block, tmp_path):
     script = tmp_path / "example.py"
