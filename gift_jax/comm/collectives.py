@@ -193,12 +193,16 @@ def stale_scales(codec: Codec) -> bool:
     return codec.has_leaf_scale and codec.row_scale_dtype is None
 
 
-def _held_scale(fresh: jax.Array, held: jax.Array, due: jax.Array, local_amax: jax.Array
+def _held_scale(x: jax.Array, codec: Codec, row_leaf: jax.Array, num_leaves: int,
+                axis_name: AxisName, held: jax.Array, due: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
-    """``(scale used this step, scale held after it)`` of a stale-scale leg: the fresh synced
-    scale on a sync step (``due``, or where nothing is held: 0), else the held one; NaN for
-    this step where this replica's own values are non-finite (its ``local_amax`` is Inf); a
-    sync that is non-finite holds 0 (sync again on the next step)."""
+    """``(scale used this step, scale held after it)`` of a stale-scale leg quantizing ``x``:
+    the fresh synced scale (``pmax`` of the replicas' amax, as ``global_scale=True``) on a
+    sync step (``due``, or where nothing is held: 0), else the held one; NaN for this step
+    where this replica's own values are non-finite (its amax is Inf); a sync that is
+    non-finite holds 0 (sync again on the next step)."""
+    local_amax = _leaf_amax(x, row_leaf, num_leaves)
+    fresh = leaf_scale_from_amax(jax.lax.pmax(local_amax, axis_name), codec)
     sync = due | (held == 0)
     used = jnp.where(sync, fresh, held)
     keep = jnp.where(jnp.isfinite(fresh), fresh, jnp.float32(0.0))
@@ -696,9 +700,8 @@ def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual, st
     send_scale = held = saturated = None
     if stale is not None:
         held, due = stale
-        fresh = _leaf_scales(x, bucket.codec, row_leaf, L, spec.axis_name, True)
-        send_scale, held_send = _held_scale(fresh, held[0], due,
-                                            _leaf_amax(x, row_leaf, L))
+        send_scale, held_send = _held_scale(x, bucket.codec, row_leaf, L, spec.axis_name,
+                                            held[0], due)
         sat_send = saturated_count(x, bucket.codec, send_scale, row_leaf, L)
     out = reduce_scatter_rows(x, col, row_leaf, L, _bits(k1, idx, x.shape),
                               return_local_error=ef, leaf_scale=send_scale)
@@ -712,8 +715,8 @@ def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual, st
         rs = shard.shape[0]
         mine = jax.lax.dynamic_slice_in_dim(row_leaf, jax.lax.axis_index(spec.axis_name) * rs,
                                             rs)
-        fresh = _leaf_scales(shard, bucket.codec, mine, L, spec.axis_name, True)
-        mean_scale, held_mean = _held_scale(fresh, held[1], due, _leaf_amax(shard, mine, L))
+        mean_scale, held_mean = _held_scale(shard, bucket.codec, mine, L, spec.axis_name,
+                                            held[1], due)
         sat_mean = saturated_count(shard, bucket.codec, mean_scale, mine, L)
         held = jnp.stack([held_send, held_mean])
         saturated = jax.lax.psum(jnp.stack([sat_send, sat_mean]), spec.axis_name)

@@ -33,7 +33,7 @@ import ml_collections
 from etils import epath
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
-from gift_jax.comm.collectives import EXCHANGES
+from gift_jax.comm.collectives import EXCHANGES, stale_scales
 from gift_jax.data.storage import is_remote, local_or_url
 from gift_jax.data.text_files import corpus_bytes
 from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
@@ -662,7 +662,7 @@ def _validate_scale_sync(config: ml_collections.ConfigDict, sizes: Mapping[str, 
         return
     codec = get_codec(config.comm.codec)
     block = config.comm.scaling == "block" and codec.supports_block_scaling
-    if not codec.has_leaf_scale or codec.row_scale_dtype is not None or block:
+    if not stale_scales(codec) or block:
         raise ConfigError(
             f"comm.scale_sync_every={every} reuses per-tensor scales; allowed with comm.codec "
             "fp8_e4m3, fp8_e5m2 or int8 and comm.scaling='tensor' (got comm.codec="

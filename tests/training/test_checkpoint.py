@@ -29,10 +29,9 @@ from gift_jax.training import (
 pytestmark = pytest.mark.slow  # end-to-end: `pytest -m "not slow"` skips it
 
 
-def test_resume_after_ctrl_c_is_bit_exact(tmp_path):
-    """6 steps == 3 steps, Ctrl-C (checkpoint), resume 3 steps: params and optimizer state
-    (GIFT factors, per-device error feedback, keys) bit for bit."""
-    config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2])
+def _interrupted_and_resumed_is_bit_exact(config, tmp_path):
+    """6 steps == 3 steps, Ctrl-C (checkpoint), resume 3 steps: params and optimizer state bit
+    for bit. Returns the uninterrupted run."""
     full = run(config, stop_after=6)
     with pytest.raises(KeyboardInterrupt, match="step 3"):
         run(config, str(tmp_path), batches=interrupting_batches(2), stop_after=6)
@@ -40,6 +39,14 @@ def test_resume_after_ctrl_c_is_bit_exact(tmp_path):
     assert resumed.step == 6
     assert_trees_equal(resumed.params, full.params)
     assert_trees_equal(resumed.opt_state, full.opt_state)
+    return full
+
+
+def test_resume_after_ctrl_c_is_bit_exact(tmp_path):
+    """6 steps == 3 steps, Ctrl-C (checkpoint), resume 3 steps: params and optimizer state
+    (GIFT factors, per-device error feedback, keys) bit for bit."""
+    config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2])
+    _interrupted_and_resumed_is_bit_exact(config, tmp_path)
 
 
 def _crashing(split, *args, **kwargs):
@@ -191,13 +198,7 @@ def test_gift_statistics_steps_resume_bit_exactly(tmp_path):
 
     config = small_config("gift_fp8", "adamw", **SMOKE["gift_fp8_ef"][2],
                           **{"gift.refresh_every": 4, "gift.stats_every": 2})
-    full = run(config, stop_after=6)
-    with pytest.raises(KeyboardInterrupt, match="step 3"):
-        run(config, str(tmp_path), batches=interrupting_batches(2), stop_after=6)
-    resumed = run(config, str(tmp_path), resume=True, stop_after=3)
-    assert resumed.step == 6
-    assert_trees_equal(resumed.params, full.params)
-    assert_trees_equal(resumed.opt_state, full.opt_state)
+    full = _interrupted_and_resumed_is_bit_exact(config, tmp_path)
     gift = [s for s in jax.tree.leaves(full.opt_state, is_leaf=lambda x: type(x).__name__
                                        == "GiftState") if type(s).__name__ == "GiftState"][0]
     assert int(gift.refreshes) == 2 and int(gift.stats_count) == 1 and int(gift.count) == 1
