@@ -1,10 +1,13 @@
 """The quantized all-reduce on 8 simulated CPU devices: accuracy bounds against an fp32
 psum, bit-identity across replicas, HLO wire bytes, odd shapes, zeros, NaN, settings."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from codegen import DEFAULT_CODEGEN
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -316,3 +319,78 @@ def test_permute_exchanges_equal_all_to_all_and_all_gather(mesh):
     np.testing.assert_array_equal(out[3, 3, 5], np.asarray(x)[5, 0])
     hlo = f.lower(x).as_text()
     assert "collective_permute" in hlo or "collective-permute" in hlo
+
+
+def _stage_steps(mesh, tx, grads, steps=3):
+    """``tx`` (a :func:`gift_jax.allreduce` stage) over ``steps`` steps of per-device
+    ``grads`` scaled by ``1 + step`` (on the host: in the program, XLA may keep a bf16
+    product in excess precision in one fusion and not in another), compiled at XLA's default
+    code generation; the per-device outputs and the final state of every device."""
+    per_step = jax.tree.map(lambda x: jnp.stack([
+        (np.asarray(x, np.float32) * (1 + t)).astype(x.dtype) for t in range(steps)]), grads)
+
+    def body(g, st):
+        outs = []
+        for t in range(steps):
+            out, st = tx.update(jax.tree.map(lambda x, t=t: x[t, 0], g), st)
+            outs.append(out)
+        return (jax.tree.map(lambda *x: jnp.stack(x)[None], *outs),
+                jax.tree.map(lambda x: jnp.asarray(x)[None], st))
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(),
+                                 check_vma=False))
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "data"), P()),
+                                out_specs=(P("data"), P("data")), check_vma=False))
+    placed = jax.device_put(per_step, NamedSharding(mesh, P(None, "data")))
+    state = init(jax.tree.map(lambda x: x[0], grads))
+    # compared across programs bit for bit: XLA's default code generation (tests/codegen.py)
+    return jax.device_get(run.lower(placed, state).compile(DEFAULT_CODEGEN)(placed, state))
+
+
+@pytest.mark.parametrize("codec,settings", [
+    ("fp8_e4m3", dict(error_feedback=True)),
+    ("fp8_e5m2", dict(global_scale=True, accumulate="fp8")),
+    ("int8", dict(scale_sync_every=2)),
+    ("fp8_e4m3", dict(exchange="permute", bucket_elems=3000)),
+])
+def test_bytes_packing_is_the_float_packing_bit_for_bit(mesh, codec, settings):
+    """``pack="bytes"`` (each tensor scaled and cast where it lies, only its bytes packed, the
+    gathered bytes decoded where each tensor lies) reduces to the same bits as packing the
+    float32 gradients into rows first — outputs, error-feedback buffers, held scales and
+    saturation — on odd shapes, a stacked leaf, bf16, zeros and buckets whose tensors span
+    several owners; and the float gradients are never concatenated into a bucket."""
+    grads = {**local_grads(), "stack": jax.random.normal(jax.random.key(9), (N, 3, 40, 24))
+             * jnp.asarray([1.0, 1e-4, 30.0])[None, :, None, None]}
+    by_layer = lambda path, leaf: 1 if leaf.ndim == 3 and leaf.shape[0] == 3 else 0
+    runs = [_stage_steps(mesh, gj.allreduce("data", codec, pack=pack, stack_axes=by_layer,
+                                            **settings), grads)
+            for pack in ("bytes", "floats")]
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    exact = np.asarray(grads["w"]).mean(0)
+    assert np.linalg.norm(runs[0][0]["w"][0, 0] - exact) < 0.4 * np.linalg.norm(exact)  # a mean
+
+    def float_packing(pack):
+        """The concatenations of float32 arrays into something of a bucket's size."""
+        text = jax.jit(jax.shard_map(
+            lambda t: gj.quantized_psum(t, "data", codec=codec, pack=pack), mesh=mesh,
+            in_specs=P("data"), out_specs=P("data"))).lower(
+                jax.device_put(grads, NamedSharding(mesh, P("data")))).as_text()
+        out = re.compile(r"-> tensor<(?P<n>\d+)xf32>")
+        return [l for l in text.splitlines() if "concatenate" in l
+                and (m := out.search(l)) and int(m["n"]) >= 128]
+
+    assert float_packing("floats") and not float_packing("bytes")
+
+
+def test_pack_setting_is_validated():
+    from trainer_kit import recipe_of, small_config
+
+    from gift_jax.training import ConfigError
+
+    with pytest.raises(ValueError, match="pack=.rows. is not supported; allowed: bytes, floats"):
+        gj.allreduce("data", "fp8_e4m3", pack="rows")
+    with pytest.raises(ConfigError, match="comm.pack"):
+        recipe_of(small_config("fp8", **{"comm.pack": "rows"}))
+    assert recipe_of(small_config("fp8", **{"comm.pack": "floats"})).comm.pack == "floats"
+

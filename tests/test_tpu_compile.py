@@ -77,8 +77,9 @@ def test_multi_slice_mesh_puts_data_across_slices():
         make_mesh(devices=devices, fsdp=16, tensor=2)
 
 
-def _compiled_psum(mesh, codec, backend):
-    body = lambda g: gj.quantized_psum(g[0], "data", codec=codec, backend=backend)[None]
+def _compiled_psum(mesh, codec, backend, pack="bytes"):
+    body = lambda g: gj.quantized_psum(g[0], "data", codec=codec, backend=backend,
+                                       pack=pack)[None]
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                               check_vma=False))
     arg = jax.ShapeDtypeStruct((mesh.size, 8192), jnp.float32,
@@ -90,10 +91,14 @@ def _compiled_psum(mesh, codec, backend):
 @pytest.mark.parametrize("codec", ["fp8_e4m3", "mxfp8", "bf16"])
 def test_kernels_follow_the_mesh_not_the_host(backend, codec):
     """From this CPU host, the all-reduce compiled for a v5p mesh carries the Mosaic kernels
-    (quantize, dequantize-accumulate twice each); "xla" carries none."""
+    (quantize, dequantize-accumulate twice each; a per-tensor fp8 bucket packed as bytes,
+    the default, encodes its leaves and decodes the gathered bytes where they lie, in fused
+    element-wise ops: the two kernels of the reduced shard remain); "xla" carries none."""
     assert jax.default_backend() == "cpu"
     mesh = make_mesh(devices=tpu.topology_devices(tpu.parse_topology("v5p-16")))
-    assert _compiled_psum(mesh, codec, backend).count("tpu_custom_call") == 4
+    kernels = lambda **kw: _compiled_psum(mesh, codec, backend, **kw).count("tpu_custom_call")
+    assert kernels() == (2 if codec == "fp8_e4m3" else 4)
+    assert kernels(pack="floats") == 4
     assert "tpu_custom_call" not in _compiled_psum(mesh, codec, "xla")
 
 

@@ -13,6 +13,10 @@ A leaf that stacks ``g`` separate tensors along its leading axes (the layers of 
 model, ``(layers, in, out)``) is packed as ``g`` slots, each starting on a fresh row: every
 tensor of the stack gets its own scales, as it would unstacked, so a small layer is not
 quantized on the scale of the largest one. The slots of a leaf stay in one bucket.
+
+A per-tensor 8-bit codec packs bytes instead of floats (:meth:`Bucket.pack_bytes`): each
+leaf's codes, made where the leaf lies (a :class:`Run` of its slots), in the very places its
+floats would have taken; :meth:`Bucket.run_bytes` takes them back out.
 """
 
 from __future__ import annotations
@@ -47,6 +51,35 @@ class Slot:
 
 
 @dataclasses.dataclass(frozen=True)
+class Run:
+    """The slots of one leaf in a bucket: its ``parts`` stacked tensors (1 unstacked), each on
+    ``rows`` rows from ``row_offset`` on, slots ``first … first + parts − 1``."""
+
+    leaf: int
+    first: int
+    parts: int
+    rows: int
+    row_offset: int
+    shape: tuple[int, ...]  # the leaf's
+
+    @property
+    def size(self) -> int:
+        """Elements of one tensor."""
+        return int(np.prod(self.shape, dtype=np.int64)) // self.parts
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """One tensor's shape: the leaf's without the leading axes that stack the
+        ``parts`` tensors (the whole shape unstacked; flat if no leading axes multiply to
+        ``parts``)."""
+        k, n = 0, 1
+        while n < self.parts:
+            n *= self.shape[k]
+            k += 1
+        return tuple(self.shape[k:]) if n == self.parts else (self.size,)
+
+
+@dataclasses.dataclass(frozen=True)
 class Bucket:
     """A flat ``[rows, codec.row_size]`` buffer holding several leaves."""
 
@@ -78,14 +111,38 @@ class Bucket:
           The packed buffer: each slot's tensor flattened from its :attr:`Slot.row_offset`,
           zero-padded to whole rows, then zero rows up to :attr:`rows`.
         """
+        return self._pack([leaves[s.leaf].astype(jnp.float32).reshape(s.parts, -1)[s.part]
+                           for s in self.slots], jnp.float32)
+
+    def pack_bytes(self, codes: list[jax.Array]) -> jax.Array:
+        """One byte per element, leaf by leaf → ``u8[rows, row_size]``, laid out as
+        :meth:`pack` lays out the floats (the bytes of an 8-bit codec's rows).
+
+        Args:
+          codes: per run (:meth:`runs`, in order), its tensors' codes ``uint8[parts, ...]``
+            (:meth:`tensors`' shape).
+
+        Returns:
+          The packed bytes.
+        """
         B = self.codec.row_size
-        parts = []
-        for s in self.slots:
-            flat = leaves[s.leaf].astype(jnp.float32).reshape(s.parts, -1)[s.part]
-            parts.append(jnp.pad(flat, (0, s.rows * B - s.size)))
+        flats = []
+        for run, c in zip(self.runs(), codes, strict=True):
+            c = c.reshape(run.parts, run.size)
+            flats.append(jnp.pad(c, ((0, 0), (0, run.rows * B - run.size))).reshape(-1))
+        return self._concat(flats, jnp.uint8)
+
+    def _pack(self, flats: list[jax.Array], dtype) -> jax.Array:
+        B = self.codec.row_size
+        return self._concat([jnp.pad(flat, (0, s.rows * B - s.size))
+                             for s, flat in zip(self.slots, flats, strict=True)], dtype)
+
+    def _concat(self, padded: list[jax.Array], dtype) -> jax.Array:
+        """Whole rows of the slots, in order → the bucket, zero rows added up to :attr:`rows`."""
+        B = self.codec.row_size
         used = sum(s.rows for s in self.slots)
-        parts.append(jnp.zeros(((self.rows - used) * B,), jnp.float32))
-        return jnp.concatenate(parts).reshape(self.rows, B)
+        return jnp.concatenate([*padded, jnp.zeros(((self.rows - used) * B,), dtype)]
+                               ).reshape(self.rows, B)
 
     def unpack(self, buf: jax.Array) -> dict[int, jax.Array]:
         """``f32[rows, row_size]`` → ``{leaf index: f32 array of the leaf's shape}``.
@@ -107,6 +164,46 @@ class Bucket:
         shapes = {s.leaf: s.shape for s in self.slots}
         return {leaf: (p[0] if len(p) == 1 else jnp.concatenate(p)).reshape(shapes[leaf])
                 for leaf, p in pieces.items()}
+
+    # ---- a leaf's tensors where they lie (the byte-packing path of the collectives) --------
+
+    def runs(self) -> list[Run]:
+        """The bucket's leaves as :class:`Run` s (a leaf's slots are consecutive and equal),
+        in slot order."""
+        out: list[Run] = []
+        for j, s in enumerate(self.slots):
+            if s.part == 0:
+                out.append(Run(s.leaf, j, s.parts, s.rows, s.row_offset, s.shape))
+        return out
+
+    @staticmethod
+    def tensors(leaf: jax.Array, run: Run) -> jax.Array:
+        """A leaf as its stacked tensors: a view that merges the stacking axes, no relayout.
+
+        Args:
+          leaf: the leaf of ``run`` (or an array of its shape).
+          run: its :class:`Run` in this bucket.
+
+        Returns:
+          ``leaf`` as ``[parts, *inner]`` (:attr:`Run.inner`).
+        """
+        return leaf.reshape(run.parts, *run.inner)
+
+    def run_bytes(self, buf: jax.Array, run: Run) -> jax.Array:
+        """A leaf's codes out of a packed byte buffer.
+
+        Args:
+          buf: the bucket's bytes as :meth:`pack_bytes` lays them out (``u8[rows, B]``).
+          run: the leaf's :class:`Run` in this bucket.
+
+        Returns:
+          Its codes, ``[parts, *inner]``, padding dropped.
+        """
+        B = self.codec.row_size
+        start = run.row_offset * B
+        span = buf.reshape(-1)[start : start + run.parts * run.rows * B]
+        return span.reshape(run.parts, run.rows * B)[:, : run.size].reshape(run.parts,
+                                                                            *run.inner)
 
 
 def plan_buckets(

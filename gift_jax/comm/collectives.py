@@ -65,6 +65,8 @@ from gift_jax.utils.platform import target_device
 ACCUMULATE = ("fp32", "fp8")
 #: How a quantized reduction exchanges its bytes across the data axis (:class:`AllReduceSpec`).
 EXCHANGES = ("auto", "all_to_all", "permute")
+#: How a quantized reduction packs a bucket (:meth:`AllReduceSpec.packs_bytes`).
+PACKS = ("bytes", "floats")
 
 
 def _to_bytes(a: jax.Array) -> jax.Array:
@@ -149,6 +151,22 @@ def _leaf_scales(x, codec: Codec, row_leaf, num_leaves, axis_name, global_scale:
     return leaf_scale_from_amax(amax, codec)
 
 
+def _rows_held(table: jax.Array, axis_name, rows: int) -> jax.Array:
+    """This replica's ``rows`` entries of a per-row table ``[P·rows, ...]`` (its shard's rows
+    of the bucket plan: their leaf ids, or which are kept), replica ``i`` holding rows
+    ``[i·rows, (i+1)·rows)``.
+
+    A gather of the table reshaped ``[P, rows, ...]`` rather than ``lax.dynamic_slice``:
+    jaxlib 0.12's XLA:CPU names an HLO op from JAX's ``dynamic_slice`` ``dynamic_slice.N`` and
+    one it rewrites from a gather ``dynamic-slice.N``; both become the same LLVM function name,
+    and a fusion holding both with the same ``N`` (an s32 row-leaf lookup indexing an f32
+    scale gather) failed to compile ("Failed to translate module to LLVM IR").
+    """
+    table = jnp.asarray(table)
+    held = table.reshape((axis_size(axis_name), rows) + table.shape[1:])
+    return jnp.take(held, jax.lax.axis_index(axis_name), axis=0)
+
+
 def _rows_of(leaf_scale: jax.Array | None, row_leaf: jax.Array):
     return None if leaf_scale is None else leaf_scale[row_leaf][:, None]
 
@@ -174,10 +192,14 @@ def saturated_count(x: jax.Array, codec: Codec, leaf_scale: jax.Array, row_leaf:
     Returns:
       ``f32[num_leaves]`` counts (exact below 2²⁴).
     """
-    s = leaf_scale[row_leaf][:, None]
-    inv = jnp.where(s == 0, jnp.float32(0.0), 1.0 / s)
-    over = jnp.sum((jnp.abs(x * inv) > codec.fmax).astype(jnp.float32), axis=1)
+    over = jnp.sum(_beyond_range(x, codec, leaf_scale[row_leaf][:, None]), axis=1)
     return _segment_sum(over, row_leaf, num_leaves)
+
+
+def _beyond_range(x: jax.Array, codec: Codec, scale: jax.Array) -> jax.Array:
+    """``|x · (1/s)| > fmax`` as float32 ones and zeros (a zero or NaN scale: none)."""
+    inv = jnp.where(scale == 0, jnp.float32(0.0), 1.0 / scale)
+    return (jnp.abs(x * inv) > codec.fmax).astype(jnp.float32)
 
 
 def stale_scales(codec: Codec) -> bool:
@@ -193,15 +215,14 @@ def stale_scales(codec: Codec) -> bool:
     return codec.has_leaf_scale and codec.row_scale_dtype is None
 
 
-def _held_scale(x: jax.Array, codec: Codec, row_leaf: jax.Array, num_leaves: int,
-                axis_name: AxisName, held: jax.Array, due: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-    """``(scale used this step, scale held after it)`` of a stale-scale leg quantizing ``x``:
-    the fresh synced scale (``pmax`` of the replicas' amax, as ``global_scale=True``) on a
-    sync step (``due``, or where nothing is held: 0), else the held one; NaN for this step
-    where this replica's own values are non-finite (its amax is Inf); a sync that is
-    non-finite holds 0 (sync again on the next step)."""
-    local_amax = _leaf_amax(x, row_leaf, num_leaves)
+def _held_scale(local_amax: jax.Array, codec: Codec, axis_name: AxisName, held: jax.Array,
+                due: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(scale used this step, scale held after it)`` of a stale-scale leg quantizing values
+    whose per-group amax on this replica is ``local_amax``: the fresh synced scale (``pmax``
+    of the replicas' amax, as ``global_scale=True``) on a sync step (``due``, or where
+    nothing is held: 0), else the held one; NaN for this step where this replica's own
+    values are non-finite (its amax is Inf); a sync that is non-finite holds 0 (sync again on
+    the next step)."""
     fresh = leaf_scale_from_amax(jax.lax.pmax(local_amax, axis_name), codec)
     sync = due | (held == 0)
     used = jnp.where(sync, fresh, held)
@@ -341,17 +362,41 @@ def reduce_scatter_rows(
       (for error feedback; zeros for fp32), as a pair ``(shard, error)``.
     """
     codec, axis = col.codec, col.axis_name
-    P = axis_size(axis)
-    rows, B = x.shape
     if codec.is_exact:
         out = jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
         return (out, jnp.zeros_like(x)) if return_local_error else out
-    rs = rows // P
     if leaf_scale is None:
         leaf_scale = _leaf_scales(x, codec, row_leaf, num_leaves, axis, col.global_scale)
     leaf_rows = _rows_of(leaf_scale, row_leaf)
     payload, row_scale = qk.quantize(x, codec, leaf_rows, rand_bits, backend=col.backend)
+    shard = reduce_scatter_encoded(payload, row_scale, leaf_scale, col, row_leaf, num_leaves)
+    if not return_local_error:
+        return shard
+    local = qk.dequantize_accumulate(payload[None], codec,
+                                     None if row_scale is None else row_scale[None],
+                                     None if leaf_rows is None else leaf_rows[None],
+                                     backend=col.backend)
+    return shard, x - local
 
+
+def reduce_scatter_encoded(payload: jax.Array, row_scale: jax.Array | None,
+                           leaf_scale: jax.Array | None, col: Collective, row_leaf: jax.Array,
+                           num_leaves: int) -> jax.Array:
+    """The exchange and fp32 sum of :func:`reduce_scatter_rows`, from this replica's encoded
+    row buffer.
+
+    Args:
+      payload: ``u8[rows, row_bytes]``, the encoded rows (rows divisible by the axis size).
+      row_scale: their row scales as they travel, or ``None``.
+      leaf_scale: ``f32[num_leaves]``, the scales the rows were encoded with, or ``None``.
+      col, row_leaf, num_leaves: as :func:`reduce_scatter_rows`.
+
+    Returns:
+      The fp32 sum of this replica's shard, ``f32[rows/P, B]``.
+    """
+    codec, axis = col.codec, col.axis_name
+    P = axis_size(axis)
+    rs = payload.shape[0] // P
     parts = [payload.reshape(P, rs * codec.row_bytes)]
     if row_scale is not None:
         parts.append(_to_bytes(row_scale).reshape(P, -1))
@@ -369,20 +414,11 @@ def reduce_scatter_rows(
     r_leaf_rows = None
     if leaf_scale is not None:
         r_leaf = _from_bytes(next(received), jnp.float32)  # [P, L]
-        mine = jax.lax.dynamic_slice_in_dim(row_leaf, jax.lax.axis_index(axis) * rs, rs)
+        mine = _rows_held(row_leaf, axis, rs)
         r_leaf_rows = r_leaf[:, mine][..., None]
     if col.accumulate == "fp8":
-        shard = _fp8_ring_sum(r_payload, codec, r_leaf_rows)
-    else:
-        shard = qk.dequantize_accumulate(r_payload, codec, r_row, r_leaf_rows,
-                                         backend=col.backend)
-    if not return_local_error:
-        return shard
-    local = qk.dequantize_accumulate(payload[None], codec,
-                                     None if row_scale is None else row_scale[None],
-                                     None if leaf_rows is None else leaf_rows[None],
-                                     backend=col.backend)
-    return shard, x - local
+        return _fp8_ring_sum(r_payload, codec, r_leaf_rows)
+    return qk.dequantize_accumulate(r_payload, codec, r_row, r_leaf_rows, backend=col.backend)
 
 
 def _fp8_ring_sum(payload, codec: Codec, leaf_rows):
@@ -428,12 +464,48 @@ def all_gather_rows(
     if codec.is_exact:
         out = all_gather_invariant(shard, axis, tiled=True)
         return (out, jnp.zeros_like(shard)) if return_local_error else out
-    idx = jax.lax.axis_index(axis)
-    mine = jax.lax.dynamic_slice_in_dim(row_leaf, idx * rs, rs)
+    g_payload, g_row, g_leaf, own = gather_encoded(shard, col, row_leaf, num_leaves,
+                                                   rand_bits, leaf_scale, return_local_error)
+    g_leaf_rows = None
+    if g_leaf is not None:
+        owner = np.arange(P * rs) // rs
+        g_leaf_rows = g_leaf[owner, row_leaf][:, None]
+    out = qk.dequantize_accumulate(
+        g_payload[None], codec,
+        None if g_row is None else g_row[None],
+        None if g_leaf_rows is None else g_leaf_rows[None],
+        backend=col.backend,
+    )
+    if not return_local_error:
+        return out
+    return out, shard - own
+
+
+def gather_encoded(shard: jax.Array, col: Collective, row_leaf: jax.Array, num_leaves: int,
+                   rand_bits: jax.Array | None = None, leaf_scale: jax.Array | None = None,
+                   decode_own: bool = False):
+    """The encoding and exchange of :func:`all_gather_rows`: the owner encodes its shard and
+    every replica receives every owner's bytes and scales.
+
+    Args:
+      shard, col, row_leaf, num_leaves, rand_bits, leaf_scale: as :func:`all_gather_rows`.
+      decode_own: also decode the owner's own encoded shard.
+
+    Returns:
+      ``(payload, row_scale, leaf_scale, own)``: the gathered ``u8[P·rs, row_bytes]``
+      payload, its row scales ``[P·rs, 1]`` (or ``None``) and the owners' per-tensor scales
+      ``f32[P, L]`` (or ``None``; row ``i`` from replica ``i``), identical on every replica;
+      ``own``: with ``decode_own`` the owner's shard as every replica decodes it
+      (``f32[rs, B]``), else ``None``.
+    """
+    codec, axis = col.codec, col.axis_name
+    P = axis_size(axis)
+    rs = shard.shape[0]
+    mine = _rows_held(row_leaf, axis, rs)
     if leaf_scale is None:
         leaf_scale = _leaf_scales(shard, codec, mine, num_leaves, axis, col.global_scale)
-    payload, row_scale = qk.quantize(shard, codec, _rows_of(leaf_scale, mine), rand_bits,
-                                     backend=col.backend)
+    leaf_rows = _rows_of(leaf_scale, mine)
+    payload, row_scale = qk.quantize(shard, codec, leaf_rows, rand_bits, backend=col.backend)
     parts = [payload.reshape(1, -1)]
     if row_scale is not None:
         parts.append(_to_bytes(row_scale).reshape(1, -1))
@@ -448,20 +520,14 @@ def all_gather_rows(
     if row_scale is not None:
         k = jnp.dtype(codec.row_scale_dtype).itemsize
         g_row = _from_bytes(next(received).reshape(P * rs, k), codec.row_scale_dtype)
-    g_leaf_rows = None
-    if leaf_scale is not None:
-        g_leaf = _from_bytes(next(received), jnp.float32)  # [P, L]
-        owner = np.arange(P * rs) // rs
-        g_leaf_rows = g_leaf[owner, row_leaf][:, None]
-    out = qk.dequantize_accumulate(
-        g_payload[None], codec,
-        None if g_row is None else g_row[None],
-        None if g_leaf_rows is None else g_leaf_rows[None],
-        backend=col.backend,
-    )
-    if not return_local_error:
-        return out
-    return out, shard - jax.lax.dynamic_slice_in_dim(out, idx * rs, rs)
+    g_leaf = None if leaf_scale is None else _from_bytes(next(received), jnp.float32)
+    own = None
+    if decode_own:
+        own = qk.dequantize_accumulate(payload[None], codec,
+                                       None if row_scale is None else row_scale[None],
+                                       None if leaf_rows is None else leaf_rows[None],
+                                       backend=col.backend)
+    return g_payload, g_row, g_leaf, own
 
 
 # ---- pytree-level all-reduce ---------------------------------------------------------------
@@ -526,6 +592,7 @@ class AllReduceSpec:
     intra_codec: str | Codec = "fp32"
     stack_axes: Any = None  # callable (path, leaf) → leading axes that stack tensors, or None
     exchange: str = "auto"  # one of EXCHANGES (see collective())
+    pack: str = "bytes"  # one of PACKS (see packs_bytes())
 
     def __post_init__(self):
         get_codec(self.intra_codec)
@@ -539,6 +606,8 @@ class AllReduceSpec:
                              f"{', '.join(EXCHANGES)}")
         if self.intra_axis is not None and self.axis_name is None:
             raise ValueError("intra_axis needs an axis_name to reduce across as well")
+        if self.pack not in PACKS:
+            raise ValueError(f"pack={self.pack!r} is not supported; allowed: {', '.join(PACKS)}")
 
     def collective(self, codec: Codec, axis) -> Collective:
         """The collective of ``codec`` over ``axis``; the outer axis of a hierarchical
@@ -555,6 +624,30 @@ class AllReduceSpec:
         return Collective(axis, codec, self.global_scale and not codec.is_exact,
                           self.accumulate if not codec.is_exact else "fp32", self.backend,
                           permute=self.permutes(axis))
+
+    def packs_bytes(self, codec: Codec) -> bool:
+        """Whether a bucket of ``codec`` is encoded where its tensors lie and packed as bytes
+        (``pack="bytes"``, the default, where the codec allows) rather than packed as floats
+        into ``f32[rows, B]`` and encoded by the row kernels (``"floats"``, and every other
+        codec).
+
+        Packing is a relayout: on a TPU a layer gradient ``[2048, 5461]`` is tiled by
+        ``(8, 128)``, and flattening it into 128-wide rows is a pass that reads and writes
+        every element. Packed as floats, that pass moves 4 bytes per element each way, and
+        unpacking the decoded floats (then writing them into a scanned layer stack) moves as
+        many again; packed as bytes, the scale and cast run element-wise on the gradient as
+        it lies (fused with its producer) and only 1 byte per element is relaid, each way.
+        The values are bit for bit the same with round to nearest; stochastic rounding draws
+        other bits. Applies to per-tensor 8-bit codecs (:func:`stale_scales`) on a flat
+        reduction (a hierarchical one packs floats for its in-node leg).
+
+        Args:
+          codec: a bucket's codec.
+
+        Returns:
+          ``True`` to pack the bucket as bytes.
+        """
+        return self.pack == "bytes" and self.intra_axis is None and stale_scales(codec)
 
     def permutes(self, axis) -> bool:
         """Whether the quantized exchange over ``axis`` goes by shifted ``ppermute`` s
@@ -664,12 +757,15 @@ def _bits(key, idx, shape):
                                                     jnp.uint32)
 
 
-def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual, stale=None):
-    """All-reduce one packed bucket; returns ``(sum or mean, new local error, new shard error,
-    new held scales, saturation counts)`` (the last two ``None`` without ``stale``).
+def _bucket_all_reduce(leaves: list, bucket: Bucket, spec: AllReduceSpec, key, residual,
+                       stale=None):
+    """All-reduce one bucket of ``leaves`` (the flattened tree); returns ``(sum or mean
+    {leaf index: float32 array}, new local error {leaf index: array} or None, new shard
+    error, new held scales, saturation counts)`` (the last two ``None`` without ``stale``).
 
     ``key`` (or ``None``) drives stochastic rounding of both quantizations; it is folded with
-    the replica index so replicas draw independent bits. ``stale``: ``(held f32[2, L], due)``,
+    the replica index so replicas draw independent bits. ``residual``: ``(the local error
+    leaves, this bucket's shard error)`` or ``None``. ``stale``: ``(held f32[2, L], due)``,
     the held senders' and owners' scales of the bucket's groups and whether this step syncs
     them (a flat reduction only; see the module doc).
     """
@@ -684,46 +780,158 @@ def _bucket_all_reduce(x, bucket: Bucket, spec: AllReduceSpec, key, residual, st
     if spec.intra_axis is not None:
         idx = idx * axis_size(spec.intra_axis) + jax.lax.axis_index(spec.intra_axis)
         intra = spec.collective(get_codec(spec.intra_codec), spec.intra_axis)
-        s1 = reduce_scatter_rows(x, intra, row_leaf, L)
+        s1 = reduce_scatter_rows(bucket.pack(leaves), intra, row_leaf, L)
         rows1 = s1.shape[0]
-        leaf1 = jax.lax.dynamic_slice_in_dim(
-            row_leaf, jax.lax.axis_index(spec.intra_axis) * rows1, rows1)
+        leaf1 = _rows_held(row_leaf, spec.intra_axis, rows1)
         s2 = reduce_scatter_rows(s1, col, leaf1, L, _bits(k1, idx, s1.shape))
         if spec.mean:
             s2 = s2 / P
         g2 = all_gather_rows(s2, col, leaf1, L, _bits(k2, idx, s2.shape))
-        return all_gather_rows(g2, intra, row_leaf, L), None, None, None, None
-    ef = residual is not None
-    if ef:
-        local_err, shard_err = residual
-        x = x + local_err
-    send_scale = held = saturated = None
-    if stale is not None:
-        held, due = stale
-        send_scale, held_send = _held_scale(x, bucket.codec, row_leaf, L, spec.axis_name,
-                                            held[0], due)
-        sat_send = saturated_count(x, bucket.codec, send_scale, row_leaf, L)
-    out = reduce_scatter_rows(x, col, row_leaf, L, _bits(k1, idx, x.shape),
-                              return_local_error=ef, leaf_scale=send_scale)
-    shard, new_local = out if ef else (out, None)
+        return bucket.unpack(all_gather_rows(g2, intra, row_leaf, L)), None, None, None, None
+    local_leaves, shard_err = (None, None) if residual is None else residual
+    held, due = (None, None) if stale is None else stale
+    bytes_ = spec.packs_bytes(bucket.codec)
+    scatter = _scatter_bytes if bytes_ else _scatter_floats
+    shard, new_local, held_send, sat_send = scatter(
+        leaves, bucket, col, row_leaf, (k1, idx), local_leaves,
+        None if held is None else held[0], due)
     if spec.mean:
         shard = shard / P
-    if ef:
+    if shard_err is not None:
         shard = shard + shard_err
-    mean_scale = None
+    mean_scale = saturated = None
     if stale is not None:
         rs = shard.shape[0]
-        mine = jax.lax.dynamic_slice_in_dim(row_leaf, jax.lax.axis_index(spec.axis_name) * rs,
-                                            rs)
-        mean_scale, held_mean = _held_scale(shard, bucket.codec, mine, L, spec.axis_name,
-                                            held[1], due)
+        mine = _rows_held(row_leaf, spec.axis_name, rs)
+        mean_scale, held_mean = _held_scale(_leaf_amax(shard, mine, L), bucket.codec,
+                                            spec.axis_name, held[1], due)
         sat_mean = saturated_count(shard, bucket.codec, mean_scale, mine, L)
         held = jnp.stack([held_send, held_mean])
         saturated = jax.lax.psum(jnp.stack([sat_send, sat_mean]), spec.axis_name)
-    out = all_gather_rows(shard, col, row_leaf, L, _bits(k2, idx, shard.shape),
-                          return_local_error=ef, leaf_scale=mean_scale)
-    full, new_shard = out if ef else (out, None)
-    return full, new_local, new_shard, held, saturated
+    ef = residual is not None
+    bits = _bits(k2, idx, shard.shape)
+    if bytes_:
+        values, new_shard = _gather_bytes(shard, bucket, col, row_leaf, bits, mean_scale, ef)
+    else:
+        out = all_gather_rows(shard, col, row_leaf, L, bits, return_local_error=ef,
+                              leaf_scale=mean_scale)
+        full, new_shard = out if ef else (out, None)
+        values = bucket.unpack(full)
+    return values, new_local, new_shard, held, saturated
+
+
+def _scatter_floats(leaves, bucket: Bucket, col: Collective, row_leaf, key_idx, local_leaves,
+                    held, due):
+    """The reduce-scatter of a bucket packed as floats (``f32[rows, B]``, then encoded by the
+    row kernels): ``(shard, new local error {leaf: array} or None, held senders' scales,
+    saturation counts)`` (the last two ``None`` without ``held``)."""
+    L = bucket.num_leaves
+    x = bucket.pack(leaves)
+    if local_leaves is not None:
+        x = x + bucket.pack(local_leaves)
+    send_scale = held_send = sat_send = None
+    if held is not None:
+        send_scale, held_send = _held_scale(_leaf_amax(x, row_leaf, L), bucket.codec,
+                                            col.axis_name, held, due)
+        sat_send = saturated_count(x, bucket.codec, send_scale, row_leaf, L)
+    ef = local_leaves is not None
+    out = reduce_scatter_rows(x, col, row_leaf, L, _bits(*key_idx, x.shape),
+                              return_local_error=ef, leaf_scale=send_scale)
+    shard, new_local = out if ef else (out, None)
+    return shard, None if new_local is None else bucket.unpack(new_local), held_send, sat_send
+
+
+def _scatter_bytes(leaves, bucket: Bucket, col: Collective, row_leaf, key_idx, local_leaves,
+                   held, due):
+    """The reduce-scatter of a bucket encoded where its tensors lie: each leaf is scaled and
+    cast in its own shape and layout, a stacked leaf's tensors each on its own scale (one
+    element-wise pass per leaf, which the compiler fuses with the gradient's producer), and
+    only the bytes are packed into the bucket's rows — the same bytes, scales and sums as
+    :func:`_scatter_floats` (per-tensor 8-bit codecs, whose element math does not depend on
+    the rows), without a pass over the floats to pack them. Returns as
+    :func:`_scatter_floats`; stochastic rounding draws each leaf's bits in its own shape
+    (other bits than the packed buffer's, from the same distribution)."""
+    codec, runs = bucket.codec, bucket.runs()
+    xs = [bucket.tensors(leaves[r.leaf], r).astype(jnp.float32) for r in runs]
+    if local_leaves is not None:
+        xs = [x + bucket.tensors(local_leaves[r.leaf], r) for x, r in zip(xs, runs, strict=True)]
+    amax = jnp.concatenate([abs_max(x, axis=_inner_axes(x)) for x in xs])  # one per slot
+    held_send = sat_send = None
+    if held is not None:
+        scale, held_send = _held_scale(amax, codec, col.axis_name, held, due)
+    else:
+        scale = leaf_scale_from_amax(
+            jax.lax.pmax(amax, col.axis_name) if col.global_scale else amax, codec)
+    scales = [_per_tensor(scale, r, x) for r, x in zip(runs, xs, strict=True)]
+    if held is not None:
+        sat_send = jnp.concatenate([jnp.sum(_beyond_range(x, codec, s), axis=_inner_axes(x))
+                                    for x, s in zip(xs, scales, strict=True)])
+    key, idx = key_idx
+    codes = [encode_rows(x, codec, s, None if key is None else
+                         _bits(jax.random.fold_in(key, r.leaf), idx, x.shape))[0]
+             for x, s, r in zip(xs, scales, runs, strict=True)]
+    shard = reduce_scatter_encoded(bucket.pack_bytes(codes), None, scale, col, row_leaf,
+                                   bucket.num_leaves)
+    new_local = None
+    if local_leaves is not None:
+        new_local = {r.leaf: (x - decode_rows(c, None, codec, s)).reshape(r.shape)
+                     for x, c, s, r in zip(xs, codes, scales, runs, strict=True)}
+    return shard, new_local, held_send, sat_send
+
+
+def _inner_axes(x: jax.Array) -> tuple[int, ...]:
+    """The axes of one tensor of a leaf's stack ``[parts, *inner]``."""
+    return tuple(range(1, x.ndim))
+
+
+def _per_tensor(scale: jax.Array, run, x: jax.Array) -> jax.Array:
+    """``run``'s tensors' scales out of a bucket's per-slot ``scale``, shaped to broadcast
+    over its stack ``x`` (``[parts, 1, …]``)."""
+    return scale[run.first : run.first + run.parts].reshape((run.parts,) + (1,) * (x.ndim - 1))
+
+
+def _gather_bytes(shard, bucket: Bucket, col: Collective, row_leaf, rand_bits, leaf_scale,
+                  decode_own: bool):
+    """The all-gather of a reduced shard decoded where the tensors lie: the gathered bytes
+    are unpacked leaf by leaf into the leaf's shape and decoded there, each element with its
+    owner's scale — the values :func:`all_gather_rows` decodes, without a pass over the
+    floats to unpack them. Returns ``({leaf: float32 array}, the owner's re-quantization
+    error or None)``."""
+    codec, runs = bucket.codec, bucket.runs()
+    g_payload, _, g_leaf, own = gather_encoded(shard, col, row_leaf, bucket.num_leaves,
+                                               rand_bits, leaf_scale, decode_own)
+    # relaid as bytes: without the barrier the compiler moves the widening decode ahead of
+    # the unpacking and relays the floats (seen on the TPU compiler)
+    codes = jax.lax.optimization_barrier([bucket.run_bytes(g_payload, r) for r in runs])
+    values = {r.leaf: decode_rows(c, None, codec, _owner_scales(g_leaf, bucket, r, c.shape,
+                                                                shard.shape[0])).reshape(r.shape)
+              for r, c in zip(runs, codes, strict=True)}
+    return values, None if own is None else shard - own
+
+
+def _owner_scales(scales: jax.Array, bucket: Bucket, run, shape: tuple[int, ...],
+                  rs: int) -> jax.Array:
+    """The scale of every element of ``run``'s stack (``shape``, ``[parts, *inner]``) after
+    a gather: its owner's per-tensor scale, ``scales[owner, slot]`` (``f32[P, L]``), the
+    owner of an element being the replica whose ``rs`` rows hold it. Owner boundaries are
+    static: a leaf inside one owner's rows gets its tensors' scales broadcast; one that
+    spans several selects them by each element's index in the bucket."""
+    B = bucket.codec.row_size
+    chunk = rs * B  # elements per owner
+    start = run.row_offset * B
+    first, last = start // chunk, (start + run.parts * run.rows * B - 1) // chunk
+    cols = scales[:, run.first : run.first + run.parts].reshape(
+        (scales.shape[0], run.parts) + (1,) * (len(shape) - 1))
+    out = cols[first]
+    if first == last:
+        return out
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+    strides[0] = run.rows * B  # a tensor starts on fresh rows
+    index = start + sum(jax.lax.broadcasted_iota(jnp.int32, shape, a) * int(st)
+                        for a, st in enumerate(strides))
+    for k in range(first + 1, last + 1):
+        out = jnp.where(index >= k * chunk, cols[k], out)
+    return out
 
 
 def all_reduce_tree(tree, spec: AllReduceSpec, key=None, residuals=None):
@@ -811,18 +1019,20 @@ def _all_reduce_tree(tree, spec: AllReduceSpec, key, residuals, stale=None):
             out[i] = red / spec.num_shards() if spec.mean else red
     keys = [None] * len(buckets) if key is None else list(jax.random.split(key, len(buckets)))
     new_res = []
+    local_leaves = None if residuals is None else [
+        r[0] for r in jax.tree_util.tree_leaves(residuals[0])]
     for b, bucket in enumerate(buckets):
-        res = None if residuals is None else _bucket_residual_in(residuals, bucket, b)
+        res = None if residuals is None else (local_leaves, residuals[1][b][0])
         held = None
         if stale is not None and stale_scales(bucket.codec):
             held = (jnp.stack([held_leaves[s.leaf][:, s.part] for s in bucket.slots], axis=1),
                     stale[1])
-        full, new_local, new_shard, new_held, saturated = _bucket_all_reduce(
-            bucket.pack(leaves), bucket, spec, keys[b], res, held)
-        for leaf_idx, value in bucket.unpack(full).items():
+        values, new_local, new_shard, new_held, saturated = _bucket_all_reduce(
+            leaves, bucket, spec, keys[b], res, held)
+        for leaf_idx, value in values.items():
             out[leaf_idx] = value.astype(jnp.result_type(leaves[leaf_idx]))
         if residuals is not None:
-            new_res.append((bucket.unpack(new_local), new_shard))
+            new_res.append((new_local, new_shard))
         if new_held is not None:
             _stale_out(bucket, new_held, saturated, held_leaves, sat_leaves, leaves,
                        spec.num_shards())
@@ -870,13 +1080,12 @@ def init_residuals(tree, spec: AllReduceSpec):
       ``(local, shard)``, float32 zeros typed as varying over ``spec.axis_name``.
     """
     buckets, _ = spec.plan(tree)
-    P = spec.num_shards()
 
     def zeros(shape):
         return as_varying(jnp.zeros(shape, jnp.float32), spec.axis_name)
 
     local = jax.tree_util.tree_map(lambda x: zeros((1, *jnp.shape(x))), tree)
-    shard = tuple(zeros((1, b.rows // P, b.codec.row_size)) for b in buckets)
+    shard = tuple(zeros((1, b.rows // spec.num_shards(), b.codec.row_size)) for b in buckets)
     return (local, shard)
 
 
@@ -928,17 +1137,9 @@ def reframe_residuals(residuals, tree, change: Callable[[Any], Any], moved,
             if slot.leaf in moved_leaves:
                 keep[ids == j] = False
         rs = res.shape[1]
-        mine = jax.lax.dynamic_slice_in_dim(
-            jnp.asarray(keep), jax.lax.axis_index(spec.axis_name) * rs, rs)
+        mine = _rows_held(keep, spec.axis_name, rs)
         out.append(jnp.where(mine[None, :, None], res, 0.0))
     return local, tuple(out)
-
-
-def _bucket_residual_in(residuals, bucket: Bucket, b):
-    local, shard = residuals
-    local_leaves = jax.tree_util.tree_leaves(local)
-    packed = bucket.pack([r[0] for r in local_leaves])
-    return packed, shard[b][0]
 
 
 def _residuals_out(residuals, new_res, treedef):

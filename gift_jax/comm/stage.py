@@ -167,6 +167,7 @@ def allreduce(
     groups: LayerGroups | None = None,
     exchange: str = "auto",
     scale_sync_every: int = 1,
+    pack: str = "bytes",
 ) -> AllReduceTransformation:
     """Quantized gradient all-reduce over ``axis_name`` (the custom psum) as an Optax stage.
 
@@ -221,6 +222,14 @@ def allreduce(
         (``AllReduceState.saturation``, :func:`saturation_metrics`). Applies to the buckets
         of per-tensor codecs (fp8, int8 without ``block_size``); a flat reduction of whole
         leaves (no ``intra_axis``, ``shards`` or ``groups``).
+      pack: how a bucket is packed: ``"bytes"`` (default): the buckets of per-tensor 8-bit
+        codecs (fp8, int8 without ``block_size``) on a flat reduction are scaled and cast
+        where each tensor lies and only their bytes are packed into the wire rows, and the
+        gathered bytes are decoded where each tensor lies; ``"floats"``: every bucket is
+        packed as float32 rows and encoded by the row kernels (the only way for the other
+        codecs). The same values with round to nearest; ``"bytes"`` spares a relayout of
+        the float gradient each way. See
+        :meth:`~gift_jax.comm.collectives.AllReduceSpec.packs_bytes`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AllReduceState`.
@@ -231,7 +240,7 @@ def allreduce(
     """
     spec = AllReduceSpec(
         axis_name, codec, block_size, mean, policy, bucket_elems, global_scale, accumulate,
-        backend, intra_axis, intra_codec, stack_axes, exchange,
+        backend, intra_axis, intra_codec, stack_axes, exchange, pack,
     )
     if error_feedback and intra_axis is not None:
         raise ValueError("error_feedback=True is not supported with intra_axis (hierarchical)")

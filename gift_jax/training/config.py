@@ -33,7 +33,7 @@ import ml_collections
 from etils import epath
 
 from gift_jax.comm.codecs import CODEC_NAMES, get_codec
-from gift_jax.comm.collectives import EXCHANGES, stale_scales
+from gift_jax.comm.collectives import EXCHANGES, PACKS, stale_scales
 from gift_jax.data.storage import is_remote, local_or_url
 from gift_jax.data.text_files import corpus_bytes
 from gift_jax.models import DEFAULT_FAMILY, MODELS, model_config_of
@@ -637,6 +637,7 @@ def _validate_reduce_in(config: ml_collections.ConfigDict) -> None:
     fixed refresh clock, PLUMAGE without ``plumage.gift``)."""
     _choice(config, "comm.reduce_in", REDUCE_IN)
     _choice(config, "comm.exchange", EXCHANGES)
+    _choice(config, "comm.pack", PACKS)
     _positive_int(config, "comm.bucket_elems")
     if config.comm.reduce_in != "backward":
         return

@@ -126,6 +126,9 @@ def default_config() -> ml_collections.ConfigDict:
     # hierarchical mesh; all_to_all on GPUs, one NCCL launch) | "all_to_all" | "permute"
     # (ppermutes, which the TPU compiler overlaps)
     comm.exchange = "auto"
+    # how a bucket is packed for the wire: "bytes" (per-tensor fp8/int8: scaled and cast where
+    # each gradient lies, only the bytes relaid into rows) | "floats" (f32 rows, row kernels)
+    comm.pack = "bytes"
 
     # ------------------------------------------------------------------ GIFT whitening
     gift = config.gift = ml_collections.ConfigDict()

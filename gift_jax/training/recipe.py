@@ -119,6 +119,7 @@ class CommOptions:
         ``"permute"``; :func:`gift_jax.allreduce`).
       scale_sync_every: per-tensor scales synced every this many steps and reused in between
         (1: fresh every step; :func:`gift_jax.allreduce`).
+      pack: how buckets are packed, ``"bytes"`` or ``"floats"`` (:func:`gift_jax.allreduce`).
     """
 
     codec: Codec
@@ -134,6 +135,7 @@ class CommOptions:
     bucket_elems: int
     exchange: str
     scale_sync_every: int = 1
+    pack: str = "bytes"
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
@@ -159,7 +161,8 @@ class CommOptions:
                    distribute_refresh=bool(comm["distribute_refresh"]), seed=seed,
                    stacked_layers=stacked_layers, reduce_in=comm["reduce_in"],
                    bucket_elems=int(comm["bucket_elems"]), exchange=comm["exchange"],
-                   scale_sync_every=int(comm.get("scale_sync_every", 1)))
+                   scale_sync_every=int(comm.get("scale_sync_every", 1)),
+                   pack=comm.get("pack", "bytes"))
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:
@@ -192,6 +195,7 @@ class CommOptions:
             groups=LayerGroups(self.stacked_layers) if self.reduce_in == "backward" else None,
             exchange=self.exchange,
             scale_sync_every=self.scale_sync_every,
+            pack=self.pack,
         )
 
 
