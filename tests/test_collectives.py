@@ -393,4 +393,3 @@ def test_pack_setting_is_validated():
     with pytest.raises(ConfigError, match="comm.pack"):
         recipe_of(small_config("fp8", **{"comm.pack": "rows"}))
     assert recipe_of(small_config("fp8", **{"comm.pack": "floats"})).comm.pack == "floats"
-

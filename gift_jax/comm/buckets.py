@@ -51,21 +51,12 @@ class Slot:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """The slots of one leaf in a bucket: its ``parts`` stacked tensors (1 unstacked), each on
-    ``rows`` rows from ``row_offset`` on, slots ``first … first + parts − 1``."""
+class Run(Slot):
+    """The slots of one leaf in a bucket, described by its first (``part`` 0): its ``parts``
+    stacked tensors (1 unstacked), each on ``rows`` rows, from ``row_offset`` on; they are
+    the bucket's slots ``first … first + parts − 1``."""
 
-    leaf: int
-    first: int
-    parts: int
-    rows: int
-    row_offset: int
-    shape: tuple[int, ...]  # the leaf's
-
-    @property
-    def size(self) -> int:
-        """Elements of one tensor."""
-        return int(np.prod(self.shape, dtype=np.int64)) // self.parts
+    first: int = 0  # index of the leaf's first slot in the bucket
 
     @property
     def inner(self) -> tuple[int, ...]:
@@ -173,7 +164,7 @@ class Bucket:
         out: list[Run] = []
         for j, s in enumerate(self.slots):
             if s.part == 0:
-                out.append(Run(s.leaf, j, s.parts, s.rows, s.row_offset, s.shape))
+                out.append(Run(**dataclasses.asdict(s), first=j))
         return out
 
     @staticmethod

@@ -1080,12 +1080,13 @@ def init_residuals(tree, spec: AllReduceSpec):
       ``(local, shard)``, float32 zeros typed as varying over ``spec.axis_name``.
     """
     buckets, _ = spec.plan(tree)
+    P = spec.num_shards()
 
     def zeros(shape):
         return as_varying(jnp.zeros(shape, jnp.float32), spec.axis_name)
 
     local = jax.tree_util.tree_map(lambda x: zeros((1, *jnp.shape(x))), tree)
-    shard = tuple(zeros((1, b.rows // spec.num_shards(), b.codec.row_size)) for b in buckets)
+    shard = tuple(zeros((1, b.rows // P, b.codec.row_size)) for b in buckets)
     return (local, shard)
 
 
