@@ -90,6 +90,15 @@ def test_bf16_compute_tracks_fp32(small_model):
     np.testing.assert_allclose(low.astype(jnp.float32), ref, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_hot_lookup_gives_the_gathers_logits(small_model, dtype):
+    """``embed_lookup='one_hot'`` (a matmul in the compute dtype) selects the same rows."""
+    tokens = _tokens(2)
+    gather = _forward(_like(small_model, dtype=dtype), tokens)
+    one_hot = _forward(_like(small_model, dtype=dtype, embed_lookup="one_hot"), tokens)
+    np.testing.assert_array_equal(np.asarray(one_hot, np.float32), np.asarray(gather, np.float32))
+
+
 def test_parameter_paths_are_per_layer_linears():
     cfg = _small(num_layers=3, num_kv_heads=2, d_ff=48, vocab_size=40)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # the module, unallocated

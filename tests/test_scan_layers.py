@@ -12,7 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from gift_jax.models import Llama, LlamaConfig, logical_axes, next_token_loss
+from gift_jax.models import GPT, GPTConfig, Llama, LlamaConfig, logical_axes, next_token_loss
+from gift_jax.training.step import model_def_of
 
 CFG = LlamaConfig(num_layers=3, d_model=64, num_heads=4, d_ff=160, max_seq_len=32)
 
@@ -64,6 +65,34 @@ def test_bf16_scanned_within_bf16_noise():
     a = ga["layers"][1]["mlp"]["down_proj"]["kernel"]
     b = gb["layers"]["mlp"]["down_proj"]["kernel"][1]
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 2e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_weights_cast_once_give_the_layers_values_and_fp32_gradients(family):
+    """``ModelDef.for_compute`` casts the linear layers' kernels and biases of a bf16 model
+    (scanned: before the layer loop), not its norms or embeddings; the loss and the fp32
+    gradients are those of the layers' own casts, bit for bit."""
+    cfg = (dataclasses.replace(CFG, dtype="bfloat16", scan_layers=True) if family == "llama"
+           else GPTConfig(num_layers=2, d_model=64, num_heads=4, d_ff=128, max_seq_len=32,
+                          dtype="bfloat16", scan_layers=True))
+    model_def = model_def_of(cfg)
+    cast = {path for path, _ in model_def.compute_dtypes}
+    assert cast and all(p.endswith(("kernel", "bias")) and "norm" not in p for p in cast)
+    assert "layers/mlp/down_proj/kernel" in cast and not any(p.startswith("embed") for p in cast)
+    model = (Llama if family == "llama" else GPT)(cfg, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = TOKENS % cfg.vocab_size
+
+    def loss(p, once):
+        return model_def.loss(model_def.merge(model_def.for_compute(p) if once else p), tokens)
+
+    (la, ga), (lb, gb) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, once)
+                          for once in (False, True))
+    assert float(la) == float(lb)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ga)[0], jax.tree.leaves(gb),
+                            strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
 def test_twenty_adamw_steps_match():

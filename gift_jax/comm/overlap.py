@@ -158,20 +158,25 @@ def _mapped(fn: Callable | None, idx: tuple[int, ...], leaves: list, data: list 
 
 
 def _reducer(reduce: Callable, spec, accum_steps: int, maps: tuple, idx: tuple[int, ...],
-             one_layer: bool, cotangents, inputs):
+             one_layer: bool, dtypes: tuple, cotangents, inputs):
     """A hook's backward rule: ``reduce`` (:func:`reduce_group` or :func:`reduce_layer`) of
     the step's mean gradient, inside the frame ``maps = (enter, leave)`` (or ``(None,
-    None)``); the new buffers are the cotangent of the buffers' input. Leaves whose reduced
-    gradient stays in the frame (a slot, the zero input in the frame's shape, instead of
-    ``None``) return it as the slot's cotangent, and zero as the leaf's."""
+    None)``); the new buffers are the cotangent of the buffers' input. The cotangents enter
+    in the parameters' dtypes ``dtypes`` (a weight the loss casts to its compute dtype
+    before the layer loop has its cotangent in that dtype; the cast back is exact). Leaves
+    with a slot (an input in the reduced gradient's shape instead of ``None``) return their
+    reduced gradient as the slot's cotangent, and zero as the leaf's: those whose reduced
+    gradient stays in the frame (a zero input in the frame's shape), and those the hook
+    sees in another dtype than the parameter's (the parameter itself)."""
     key, acc, residuals, data, slots = inputs
     enter, leave = maps
-    sent = _mapped(enter, idx, _total(cotangents, acc, accum_steps), data, one_layer)
-    out, new = reduce(sent, spec, key, residuals)
+    total = _total([c.astype(d) for c, d in zip(cotangents, dtypes, strict=True)], acc,
+                   accum_steps)
+    out, new = reduce(_mapped(enter, idx, total, data, one_layer), spec, key, residuals)
     back = _mapped(leave, idx, out, data, one_layer)
     if slots is None:
         return back, (None, None, new, None, None)
-    kept = [None if slot is None else o for o, slot in zip(out, slots, strict=True)]
+    kept = [None if slot is None else b for b, slot in zip(back, slots, strict=True)]
     back = [b if slot is None else jax.numpy.zeros_like(c)
             for b, c, slot in zip(back, cotangents, slots, strict=True)]
     return back, (None, None, new, None, kept)
@@ -240,9 +245,10 @@ def _local_shapes(tree: Any, shards) -> Any:
 
 
 def _layer_hook(reduce: Callable, spec, accum_steps: int, paths: list[str], maps: tuple,
-                idx: tuple[int, ...]) -> Callable[[Any, Any], Any]:
+                idx: tuple[int, ...], dtypes: list) -> Callable[[Any, Any], Any]:
     """The :func:`~gift_jax.utils.block_hook.block_hook` function of the scanned group."""
-    reducer = functools.partial(_reducer, reduce, spec, accum_steps, maps, idx, True)
+    reducer = functools.partial(_reducer, reduce, spec, accum_steps, maps, idx, True,
+                                tuple(dtypes))
 
     def hook(block_state, layer_inputs):
         flat, treedef = jax.tree_util.tree_flatten_with_path(block_state)
@@ -258,7 +264,9 @@ def _layer_hook(reduce: Callable, spec, accum_steps: int, paths: list[str], maps
 
 def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
                            stage: optax.GradientTransformation, state: Any, *,
-                           acc: Any = None, accum_steps: int = 1) -> tuple[jax.Array, Any, Any]:
+                           acc: Any = None, accum_steps: int = 1,
+                           for_compute: Callable[[Any], Any] | None = None
+                           ) -> tuple[jax.Array, Any, Any]:
     """``jax.value_and_grad(loss_fn)(params)`` with the gradient reduced inside the backward.
 
     Call inside ``jax.shard_map`` (manual over the stage's axes), on per-device parameters.
@@ -275,6 +283,12 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
       state: the stage's state before the step.
       acc: the sum of the earlier microbatches' gradients (like ``params``), or ``None``.
       accum_steps: microbatches in the step (the reduced gradient is their mean).
+      for_compute: ``params → params`` that ``loss_fn`` gets, applied after the hooks of
+        the loose groups and before those of the scanned blocks (e.g.
+        :meth:`gift_jax.training.step.ModelDef.for_compute`: weights cast to the compute
+        dtype once, before the layer loop); a scanned leaf it recasts is reduced in its
+        parameter's dtype, the leaf itself the slot its gradient comes back through;
+        ``None``: the identity.
 
     Returns:
       ``(loss, reduced gradient, new stage state)``: what ``stage.update`` of the mean
@@ -310,13 +324,22 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
     prefix = len(groups.block_key) + 1
     layer_paths = [leaf_path(flat[i][0])[prefix:] for i in plan.stacked]
     maps = (None, None) if frame is None else (frame.enter, frame.leave)
+    dtypes = [x.dtype for _, x in flat]
+    computed = ([x for _, x in flat] if for_compute is None
+                else jax.tree_util.tree_leaves(jax.eval_shape(for_compute, params)))
+    # scanned leaves the loss recasts (bf16 weights cast once, before the layer loop): the
+    # model runs on a copy without gradient, and the leaf itself rides into the loop as the
+    # slot that receives its reduced gradient (no zeros to materialise)
+    recast = [i for i in plan.stacked if computed[i].dtype != dtypes[i]]
     slots = _slots(frame, seen)
 
     def slots_of(held: dict, idx: tuple[int, ...]) -> list | None:
-        return [held.get(i) for i in idx] if slots else None
+        return [held.get(i) for i in idx] if held else None
 
     def loss_of(p, residuals, held):
         leaves = jax.tree_util.tree_leaves(p)
+        held = {**{i: leaves[i] for i in recast}, **held}
+        leaves = [jax.lax.stop_gradient(x) if i in recast else x for i, x in enumerate(leaves)]
         acc_leaves = None if acc is None else jax.tree_util.tree_leaves(acc)
         loose_res, layer_res = split_residuals(residuals, local, spec, plan,
                                                devices_inside=shards is not None)
@@ -326,18 +349,20 @@ def loss_and_reduced_grads(loss_fn: Callable[[Any], jax.Array], params: Any,
                       _frame_data(frame, idx), slots_of(held, idx))
             out = _reduced_on_the_way_back(
                 functools.partial(_reducer, group_reduce(idx), spec, accum_steps, maps, idx,
-                                  False),
+                                  False, tuple(_pick(dtypes, idx))),
                 _pick(leaves, idx), inputs)
             for i, value in zip(idx, out, strict=True):
                 hooked[i] = value
         model_params = jax.tree_util.tree_unflatten(treedef, hooked)
+        if for_compute is not None:
+            model_params = for_compute(model_params)
         if not plan.stacked:
             return loss_fn(model_params)
         per_layer = (layer_keys(sub, plan), _pick(acc_leaves, plan.stacked), layer_res,
                      _frame_data(frame, plan.stacked, plan.num_layers),
                      slots_of(held, plan.stacked))
         with block_hook(_layer_hook(layer_reduce, spec, accum_steps, layer_paths, maps,
-                                    plan.stacked), per_layer):
+                                    plan.stacked, _pick(dtypes, plan.stacked)), per_layer):
             return loss_fn(model_params)
 
     loss, (grads, residuals, kept) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(

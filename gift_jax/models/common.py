@@ -46,6 +46,7 @@ __all__ = [
     "causal_attention",
     "check_decoder_fields",
     "constrain",
+    "HeadsLinear",
     "dense",
     "embed_tokens",
     "next_token_loss",
@@ -222,8 +223,44 @@ def _mesh_axes(rule: str | None, among: tuple[str, ...] | None = None) -> str | 
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+class HeadsLinear(nnx.Linear):
+    """An ``nnx.Linear`` ``(d_in × heads·head_dim)`` whose matmul writes its output split into
+    heads: ``y[…, h, k] = Σ_d x[…, d] W[d, h·head_dim + k] (+ b[h·head_dim + k])``, the kernel
+    viewed as ``(d_in, heads, head_dim)`` — the flat layer's output reshaped to
+    ``(…, heads, head_dim)``, with the same parameters, paths and dtype rules.
+
+    Why not the flat layer and a reshape: inside a ``shard_map`` manual over ``data`` with
+    the kernel split over ``fsdp``, the partitioner gathers a flat projection's weight at its
+    convert to the compute dtype, and the dot's flat output is then copied twice into the
+    attention's heads layout, in the forward and in the rematerialised forward; with the
+    heads in the contraction's output the dot writes that layout itself, as XLA's own
+    data-parallel step does (``docs/api/pod.md``, the 7B forward copies).
+    """
+
+    def __init__(self, *args: Any, heads: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.out_features % heads:
+            raise ValueError(f"HeadsLinear: out_features={self.out_features} is not a "
+                             f"multiple of heads={heads}")
+        self.heads = heads
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        kernel = kernel.reshape(kernel.shape[0], self.heads, -1)
+        extra = ({} if self.preferred_element_type is None
+                 else {"preferred_element_type": self.preferred_element_type})
+        y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                             precision=self.precision, **extra)
+        if bias is not None:
+            y += bias.reshape((1,) * (y.ndim - 2) + kernel.shape[1:])
+        return y
+
+
 def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str], *,
-          use_bias: bool = False, init_std: float | None = None) -> nnx.Linear:
+          use_bias: bool = False, init_std: float | None = None,
+          heads: int | None = None) -> nnx.Linear:
     """An ``nnx.Linear`` ``(d_in × d_out)`` in the config's dtypes, normal init of std
     ``init_std`` (default ``cfg.init_std``), kernel logical axes ``axes`` and, with
     ``use_bias``, a zero bias whose logical axis is the output's.
@@ -235,12 +272,15 @@ def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str]
       axes: the kernel's logical axis names ``(input, output)``, e.g. ``("embed", "mlp")``.
       use_bias: add a zero-initialised bias.
       init_std: std of the kernel's normal init; ``None``: ``cfg.init_std``.
+      heads: output ``(…, heads, d_out / heads)`` (a :class:`HeadsLinear`); ``None``: flat.
 
     Returns:
       The ``nnx.Linear`` layer, kernel ``(d_in, d_out)``.
     """
     extra = {"bias_metadata": {LOGICAL_AXES: (axes[1],)}} if use_bias else {}
-    return nnx.Linear(
+    if heads is not None:
+        extra["heads"] = heads
+    return (nnx.Linear if heads is None else HeadsLinear)(
         d_in,
         d_out,
         use_bias=use_bias,
@@ -255,8 +295,12 @@ def dense(cfg: Any, d_in: int, d_out: int, rngs: nnx.Rngs, axes: tuple[str, str]
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: Any) -> jax.Array:
     """Rows ``table[tokens]`` in the compute dtype: a gather, or with ``embed_lookup='one_hot'``
-    a one-hot matmul at full precision (the same values; partitions where the gather's
-    gradient does not, see :class:`~gift_jax.models.llama.LlamaConfig`).
+    a one-hot matmul (partitions where the gather's gradient does not, see
+    :class:`~gift_jax.models.llama.LlamaConfig`) in the compute dtype at full precision:
+    the same rows, and like every other weight's, the table's gradient leaves its matmul in
+    the compute dtype (maxtext's lookup). An fp32 matmul of a bf16 model's table took the
+    trainer's ``shard_map`` step on a pod half again XLA's own compile time
+    (``docs/api/pod.md``).
 
     Args:
       table: the embedding table, ``(vocab_size, d_model)``.
@@ -268,8 +312,8 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: Any) -> jax.Array:
     """
     compute = cfg.compute_dtype
     if cfg.embed_lookup == "one_hot":
-        return jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=table.dtype),
-                          table, precision=jax.lax.Precision.HIGHEST).astype(compute)
+        return jnp.einsum("btv,vd->btd", jax.nn.one_hot(tokens, cfg.vocab_size, dtype=compute),
+                          table.astype(compute), precision=jax.lax.Precision.HIGHEST)
     return jnp.take(table, tokens, axis=0).astype(compute)
 
 

@@ -162,17 +162,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d = cfg.d_model
-        self.q_proj = dense(cfg, d, d, rngs, ("embed", "heads"), use_bias=True)
-        self.k_proj = dense(cfg, d, d, rngs, ("embed", "heads"), use_bias=True)
-        self.v_proj = dense(cfg, d, d, rngs, ("embed", "heads"), use_bias=True)
+        heads = dict(use_bias=True, heads=cfg.num_heads)
+        self.q_proj = dense(cfg, d, d, rngs, ("embed", "heads"), **heads)
+        self.k_proj = dense(cfg, d, d, rngs, ("embed", "heads"), **heads)
+        self.v_proj = dense(cfg, d, d, rngs, ("embed", "heads"), **heads)
         self.o_proj = dense(cfg, d, d, rngs, ("heads", "embed"), use_bias=True,
                             init_std=cfg.residual_init_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         cfg = self.cfg
-        split = lambda y: constrain(y.reshape(b, t, cfg.num_heads, cfg.head_dim), cfg,
-                                    "batch", None, "heads", None)
+        split = lambda y: constrain(y, cfg, "batch", None, "heads", None)  # (b, t, heads, dh)
         o = causal_attention(split(self.q_proj(x)), split(self.k_proj(x)),
                              split(self.v_proj(x)), cfg)
         return self.o_proj(o.reshape(b, t, cfg.d_model))

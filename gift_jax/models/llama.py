@@ -115,7 +115,8 @@ class LlamaConfig(DecoderConfig):
       scan_layers: stack the blocks' parameters over a leading layer axis and apply them with
         ``nnx.scan`` (see the module docstring).
       embed_lookup: 'gather' (a gather of the embedding rows) or 'one_hot' (a one-hot matmul
-        at full precision, the same values: maxtext's iota embedding). The sharded trainer uses
+        in the compute dtype at full precision, the same rows: maxtext's iota embedding; the
+        table's gradient leaves it in the compute dtype). The sharded trainer uses
         'one_hot': XLA's SPMD partitioner (jax 0.10–0.12) crashes on the gather's gradient
         when the table and the token rows are both split over mesh axes; it costs one
         ``2·tokens·vocab·d_model`` matmul, about the head's.
@@ -252,16 +253,17 @@ class Attention(nnx.Module):
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        self.q_proj = dense(cfg, cfg.d_model, q_dim, rngs, ("embed", "heads"))
-        self.k_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
-        self.v_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"))
+        self.q_proj = dense(cfg, cfg.d_model, q_dim, rngs, ("embed", "heads"),
+                            heads=cfg.num_heads)
+        self.k_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"),
+                            heads=cfg.kv_heads)
+        self.v_proj = dense(cfg, cfg.d_model, kv_dim, rngs, ("embed", "kv_heads"),
+                            heads=cfg.kv_heads)
         self.o_proj = dense(cfg, q_dim, cfg.d_model, rngs, ("heads", "embed"))
 
     def __call__(self, x: jax.Array, angles: jax.Array) -> jax.Array:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (b, t, heads, head_dim)
         q = constrain(q, self.cfg, "batch", None, "heads", None)
         k = constrain(k, self.cfg, "batch", None, "kv_heads", None)
         v = constrain(v, self.cfg, "batch", None, "kv_heads", None)

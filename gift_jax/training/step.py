@@ -55,6 +55,7 @@ from gift_jax.training.sharding import (
     state_specs,
 )
 from gift_jax.utils.axes import axis_name_of
+from gift_jax.utils.tree_paths import join_path, leaf_path
 from gift_jax.whitening.capture import kfac_value_and_grad, with_input_coverage, with_input_stats
 from gift_jax.whitening.fidelity import fidelity_report
 
@@ -70,6 +71,7 @@ class ModelDef:
 
     graphdef: Any
     loss: Callable
+    compute_dtypes: tuple[tuple[str, str], ...] = ()
 
     def merge(self, params: Params) -> nnx.Module:
         """The model with ``params`` merged into its graph.
@@ -81,6 +83,45 @@ class ModelDef:
           The ``nnx.Module``.
         """
         return nnx.merge(self.graphdef, params)
+
+    def for_compute(self, params: Params) -> Params:
+        """``params`` with each linear layer's kernel and bias cast to the layer's compute
+        dtype (``compute_dtypes``: ``(path, dtype name)``), the first thing the layer does
+        with them, so the model computes the same values; the differentiated parameters stay
+        in their storage dtype (the cast's transpose converts each cotangent back, as the
+        layer's own cast does).
+
+        Cast once, before the model runs, a scanned stack's weights enter the layer loop in
+        the compute dtype: converted once per step instead of once per layer in the forward
+        and again in the rematerialised forward, and an ``fsdp``-split weight is gathered
+        in the compute dtype (``docs/api/pod.md``, the model-program changes). Embeddings
+        stay as they are: a tied table's two uses would sum their cotangents in the compute
+        dtype, and a lookup's scatter-add would accumulate in it.
+
+        Args:
+          params: the parameters, a pure dict of the graph's ``nnx.Param`` state.
+
+        Returns:
+          The same tree, the listed leaves cast.
+        """
+        if not self.compute_dtypes:
+            return params
+        dtypes = dict(self.compute_dtypes)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: x.astype(dtypes[leaf_path(path)]) if leaf_path(path) in dtypes
+            else x, params)
+
+    def merge_for_compute(self, params: Params) -> nnx.Module:
+        """:meth:`merge` of :meth:`for_compute`: the model the trainer's loss differentiates
+        through (the gradient is with respect to ``params``, in their storage dtype).
+
+        Args:
+          params: the parameters, a pure dict of the graph's ``nnx.Param`` state.
+
+        Returns:
+          The ``nnx.Module``, its linear layers' weights in their compute dtype.
+        """
+        return self.merge(self.for_compute(params))
 
 
 def replica_map(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
@@ -140,10 +181,25 @@ def model_def_of(model_config: Any) -> ModelDef:
         parameters only).
     """
     spec = model_spec(model_config)
-    graphdef, _, rest = nnx.split(spec.abstract(model_config), nnx.Param, ...)
+    model = spec.abstract(model_config)
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
         raise ValueError("the model has non-parameter state; the trainer only carries params")
-    return ModelDef(graphdef, spec.loss)
+    return ModelDef(graphdef, spec.loss, _linear_compute_dtypes(model))
+
+
+def _linear_compute_dtypes(model: nnx.Module) -> tuple[tuple[str, str], ...]:
+    """``(path, dtype name)`` of every ``nnx.Linear`` kernel and bias stored in another dtype
+    than its layer computes in (:meth:`ModelDef.for_compute`)."""
+    out = []
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Linear) or module.dtype is None:
+            continue
+        for name in ("kernel", "bias"):
+            var = getattr(module, name, None)
+            if var is not None and var.get_value().dtype != jnp.dtype(module.dtype):
+                out.append((join_path((*path, name)), jnp.dtype(module.dtype).name))
+    return tuple(out)
 
 
 def params_init_fn(model_config: Any, seed: int, mesh: Mesh, layout: ParamLayout, *,
@@ -215,7 +271,7 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
     loss_fn = model_def.loss if loss_fn is None else loss_fn
 
     def one(p, toks):
-        if capture_layers and two_sided:
+        if capture_layers and two_sided:  # differentiates the module: its stored weights
             fn = kfac_value_and_grad(loss_fn, capture_layers)
             (loss, stats), g = fn(model_def.merge(p), toks)
             return loss, nnx.to_pure_dict(g), stats
@@ -223,9 +279,10 @@ def _local_loss_and_grads(model_def: ModelDef, tokens: jax.Array, params: Params
             fn = (with_input_stats(loss_fn, capture_layers) if capture_layers
                   else with_input_coverage(loss_fn, coverage_bases))
             (loss, stats), g = jax.value_and_grad(
-                lambda q: fn(model_def.merge(q), toks), has_aux=True)(p)
+                lambda q: fn(model_def.merge_for_compute(q), toks), has_aux=True)(p)
             return loss, g, stats
-        loss, g = jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p)
+        loss, g = jax.value_and_grad(
+            lambda q: loss_fn(model_def.merge_for_compute(q), toks))(p)
         return loss, g, {}
 
     if accum_steps == 1:
@@ -265,13 +322,15 @@ def _loss_and_reduced_grads(model_def: ModelDef, tokens: jax.Array, params: Para
 
     def reduced(toks, acc):
         return loss_and_reduced_grads(lambda q: loss_fn(model_def.merge(q), toks), params,
-                                      stage, stage_state, acc=acc, accum_steps=accum_steps)
+                                      stage, stage_state, acc=acc, accum_steps=accum_steps,
+                                      for_compute=model_def.for_compute)
 
     if accum_steps == 1:
         return reduced(tokens, None)
     micro = _microbatches(tokens, accum_steps, strided)
     earlier_loss, earlier_grads = _summed(
-        lambda p, toks: jax.value_and_grad(lambda q: loss_fn(model_def.merge(q), toks))(p),
+        lambda p, toks: jax.value_and_grad(
+            lambda q: loss_fn(model_def.merge_for_compute(q), toks))(p),
         params, micro[:-1])
     loss, grads, state = reduced(micro[-1], earlier_grads)
     return (earlier_loss + loss) / accum_steps, grads, state

@@ -190,7 +190,11 @@ def _capturing_class(cls: type) -> type:
                 [jnp.sum(top**2), jnp.sum(sx**2)])
         y = cls.__call__(self, inputs, *args, **kwargs)
         probe = vars(self).get(_PROBE)
-        return y if probe is None else _output_tap(y, probe[...])
+        if probe is None:
+            return y
+        # tapped as (tokens, m): a layer may write its output split (HeadsLinear's heads)
+        flat = y.reshape(-1, probe.shape[-1])
+        return _output_tap(flat, probe[...]).reshape(y.shape)
 
     return type(f"GiftCapturing{cls.__name__}", (cls,), {"__call__": __call__})
 
