@@ -254,7 +254,7 @@ class HeadsLinear(nnx.Linear):
         y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
                              precision=self.precision, **extra)
         if bias is not None:
-            y += bias.reshape((1,) * (y.ndim - 2) + kernel.shape[1:])
+            y += bias.reshape(kernel.shape[1:])
         return y
 
 

@@ -107,9 +107,12 @@ class ModelDef:
         if not self.compute_dtypes:
             return params
         dtypes = dict(self.compute_dtypes)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: x.astype(dtypes[leaf_path(path)]) if leaf_path(path) in dtypes
-            else x, params)
+
+        def cast(path, x):
+            dtype = dtypes.get(leaf_path(path))
+            return x if dtype is None else x.astype(dtype)
+
+        return jax.tree_util.tree_map_with_path(cast, params)
 
     def merge_for_compute(self, params: Params) -> nnx.Module:
         """:meth:`merge` of :meth:`for_compute`: the model the trainer's loss differentiates
