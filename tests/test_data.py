@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -62,7 +63,17 @@ def test_tokenizer_round_trip():
 # --- local builder -----------------------------------------------------------------------------
 
 
-def test_text_dir_builder_round_trip(tmp_path, data_dir):
+def test_text_dir_builder_round_trip(tmp_path, data_dir, monkeypatch):
+    """Every file's documents, split between train and validation, read back as tokens; no
+    temporary directory left behind (TFDS's bucket lookup for an unprepared dataset made one
+    per preparation)."""
+    temporary, mkdtemp = [], tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        temporary.append(mkdtemp(*args, **kwargs))
+        return temporary[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     texts = {f"doc{i}.txt": f"document {i}: héllo wörld\n" * (i + 1) for i in range(5)}
@@ -87,6 +98,7 @@ def test_text_dir_builder_round_trip(tmp_path, data_dir):
     assert not set(seen["train"]) & set(seen["validation"])
     assert {**seen["train"], **seen["validation"]} == texts
     assert len(seen["validation"]) == 1
+    assert not [d for d in temporary if os.path.isdir(d)], temporary
 
     # Idempotent: a second call reuses the prepared files.
     mtime = os.path.getmtime(os.path.join(data_dir, name.replace(":", "/"), "dataset_info.json"))

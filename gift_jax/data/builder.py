@@ -104,6 +104,18 @@ def text_dir_config(directory: str) -> GiftTextConfig:
     )
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """A local corpus's ``DatasetInfo``: nothing to look up on TFDS's public bucket.
+
+    TFDS's builder asks the bucket for the metadata of a dataset it has not prepared yet
+    (``DatasetInfo.initialize_from_bucket``), first making a temporary directory it never
+    removes (tensorflow-datasets 4.9: one empty ``/tmp/tmp…tfds`` per preparation). Our
+    corpora are never on that bucket, so the lookup is skipped."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class GiftText(tfds.core.GeneratorBasedBuilder):
     """Text corpora as ``{"id", "text"}`` records (see the module docstring)."""
 
@@ -111,7 +123,7 @@ class GiftText(tfds.core.GeneratorBasedBuilder):
     BUILDER_CONFIGS = [SHAKESPEARE_CONFIG]
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalDatasetInfo(
             builder=self,
             description=self.builder_config.description,
             features=tfds.features.FeaturesDict(
