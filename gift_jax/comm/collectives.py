@@ -1157,6 +1157,57 @@ def _residuals_out(residuals, new_res, treedef):
 # ---- array-level functions -----------------------------------------------------------------
 
 
+def reduce_scatter_along(g: jax.Array, dim: int, col: Collective, mean: bool, key=None,
+                  residual=None) -> tuple[jax.Array, jax.Array | None]:
+    """Reduce-scatter ``g`` (this replica's whole gradient) over ``col.axis_name`` into this
+    replica's slice of dimension ``dim``: ``Σ_r g_r[..., i·n/P : (i+1)·n/P, ...]`` on device
+    ``i`` of ``P`` (the shard ``jax.lax.all_gather(..., tiled=True)`` along ``dim`` puts back),
+    in ``col.codec`` (one scale per leaf, or per block) with fp32 sums; each slice is padded
+    to whole codec rows so that the shard boundaries are the slices'. An exact codec is a
+    ``psum_scatter`` in ``g``'s dtype.
+
+    Args:
+      g: this replica's gradient (any float dtype; quantized from fp32).
+      dim: the dimension split over the axis (its size divisible by the axis size).
+      col: the axis and codec.
+      mean: divide by the axis size.
+      key: a PRNG key for stochastic rounding (each replica folds in its index), or ``None``.
+      residual: this replica's error-feedback buffer (``g``-shaped, fp32), added first, or
+        ``None``.
+
+    Returns:
+      ``(shard in g's dtype, this replica's new residual or None)``.
+    """
+    axis, codec = col.axis_name, col.codec
+    P = jax.lax.axis_size(axis)
+    x = g if residual is None else g.astype(jnp.float32) + residual
+    moved = jnp.moveaxis(x, dim, 0)
+    shard_shape = (moved.shape[0] // P, *moved.shape[1:])
+    err = None
+    if codec.is_exact:
+        out = jax.lax.psum_scatter(moved, axis, scatter_dimension=0, tiled=True)
+        if residual is not None:
+            err = jnp.zeros_like(residual)
+    else:
+        per = moved.reshape(P, -1).astype(jnp.float32)
+        n = per.shape[1]
+        padded = -(-n // codec.row_size) * codec.row_size
+        rows = jnp.pad(per, ((0, 0), (0, padded - n))).reshape(-1, codec.row_size)
+        bits = None
+        if key is not None:
+            bits = jax.random.bits(jax.random.fold_in(key, jax.lax.axis_index(axis)),
+                                   rows.shape, jnp.uint32)
+        res = reduce_scatter_rows(rows, col, jnp.zeros((rows.shape[0],), jnp.int32), 1, bits,
+                                  return_local_error=residual is not None)
+        out, e = res if residual is not None else (res, None)
+        out = out.reshape(-1)[:n].reshape(shard_shape)
+        if e is not None:
+            err = jnp.moveaxis(e.reshape(P, padded)[:, :n].reshape(moved.shape), 0, dim)
+    if mean:
+        out = out / P
+    return jnp.moveaxis(out.astype(g.dtype), 0, dim), err
+
+
 def quantized_psum(tree, axis_name: AxisName | None, *, codec: str | Codec = "fp8_e4m3",
                    mean: bool = False, key=None, **settings):
     """Quantized ``psum`` (or ``pmean`` with ``mean=True``) of an array or pytree.

@@ -89,7 +89,7 @@ from gift_jax.comm.codecs import Codec, get_codec
 from gift_jax.comm.collectives import (
     Collective,
     quantized_psum,
-    reduce_scatter_rows,
+    reduce_scatter_along,
     resolve_codecs,
 )
 from gift_jax.comm.stage import (
@@ -459,43 +459,6 @@ def _gather(x: jax.Array, dim: int, axis: str, scatter: Callable) -> jax.Array:
     return gather(x)
 
 
-def _scatter_leaf(g: jax.Array, dim: int, col: Collective, mean: bool, key=None,
-                  residual=None) -> tuple[jax.Array, jax.Array | None]:
-    """Reduce-scatter ``g`` (this replica's whole gradient) over ``col.axis_name`` into this
-    replica's slice of dimension ``dim``, in ``col.codec`` (one scale per leaf, or per
-    block); each slice is padded to whole codec rows so that the shard boundaries are the
-    slices'. ``key``: stochastic rounding; ``residual``: this replica's error-feedback buffer
-    (leaf-shaped), added first; returns ``(shard, new residual or None)``."""
-    axis, codec = col.axis_name, col.codec
-    P = jax.lax.axis_size(axis)
-    x = g if residual is None else g.astype(jnp.float32) + residual
-    moved = jnp.moveaxis(x, dim, 0)
-    shard_shape = (moved.shape[0] // P, *moved.shape[1:])
-    err = None
-    if codec.is_exact:
-        out = jax.lax.psum_scatter(moved, axis, scatter_dimension=0, tiled=True)
-        if residual is not None:
-            err = jnp.zeros_like(residual)
-    else:
-        per = moved.reshape(P, -1).astype(jnp.float32)
-        n = per.shape[1]
-        padded = -(-n // codec.row_size) * codec.row_size
-        rows = jnp.pad(per, ((0, 0), (0, padded - n))).reshape(-1, codec.row_size)
-        bits = None
-        if key is not None:
-            bits = jax.random.bits(jax.random.fold_in(key, jax.lax.axis_index(axis)),
-                                   rows.shape, jnp.uint32)
-        res = reduce_scatter_rows(rows, col, jnp.zeros((rows.shape[0],), jnp.int32), 1, bits,
-                                  return_local_error=residual is not None)
-        out, e = res if residual is not None else (res, None)
-        out = out.reshape(-1)[:n].reshape(shard_shape)
-        if e is not None:
-            err = jnp.moveaxis(e.reshape(P, padded)[:, :n].reshape(moved.shape), 0, dim)
-    if mean:
-        out = out / P
-    return jnp.moveaxis(out.astype(g.dtype), 0, dim), err
-
-
 def _path_specs(layout: _Layout, params: Any) -> Callable[[Any], Any]:
     """``LocalShards.specs`` of trees like the parameters, or parts of them (``None`` in the
     place of the leaves left out): each leaf's spec over the model axes, by its key path."""
@@ -580,7 +543,7 @@ def _scattering_allreduce(axis: str, codec: Any, *, mean: bool, backend: str,
                 out[i], new_local[i] = leaves[i], local[i]
                 continue
             key = None if sub is None else jax.random.fold_in(sub, _SCATTER_SALT + i)
-            out[i], err = _scatter_leaf(leaves[i], d, collectives[i], mean, key,
+            out[i], err = reduce_scatter_along(leaves[i], d, collectives[i], mean, key,
                                         None if local[i] is None else local[i][0])
             new_local[i] = None if err is None else laid_out(i, err[None])
         residuals = (treedef.unflatten(new_local), whole.residuals[1]) if ef else None
@@ -821,7 +784,7 @@ class DataParallelGrad:
             loss, aux = out if has_aux else (out, None)
             return loss, aux, g
 
-        scatters = {i: functools.partial(_scatter_leaf, dim=layout.data_dim[i],
+        scatters = {i: functools.partial(reduce_scatter_along, dim=layout.data_dim[i],
                                          col=plan.collectives[i], mean=self._mean)
                     for i in in_backward}
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from gift_jax.utils.block_hook import active_block_hook
+from gift_jax.utils.block_hook import active_block_hook, active_block_runner
 from gift_jax.utils.platform import non_manual_axes, target_device
 
 __all__ = [
@@ -203,12 +203,17 @@ def constrain(x: jax.Array, cfg: Any, *names: str | None) -> jax.Array:
         rule may name several mesh axes joined by commas (``"data,fsdp"``).
 
     Returns:
-      ``x`` under ``jax.lax.with_sharding_constraint``, or ``x`` itself.
+      ``x`` under ``jax.lax.with_sharding_constraint`` on the mesh axes in context that are
+      not manual (a rule's manual axes are dropped: inside a ``shard_map`` over ``fsdp``
+      the rows are already this device's), or ``x`` itself when the config sets no rule or
+      every axis is manual.
     """
-    if not cfg.activation_axes:
+    axes = non_manual_axes(min_size=1) if cfg.activation_axes else ()
+    if not axes:
         return x
     rules = dict(cfg.activation_axes)
-    spec = jax.sharding.PartitionSpec(*(_mesh_axes(rules.get(n)) if n else None for n in names))
+    spec = jax.sharding.PartitionSpec(
+        *(_mesh_axes(rules.get(n), axes) if n else None for n in names))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -439,6 +444,14 @@ def _block_forward(block: nnx.Module, x: jax.Array, *args: Any) -> jax.Array:
     return block(x, *args)
 
 
+def _remat_fn(cfg: Any) -> Callable[[Callable], Callable]:
+    """``fn → fn`` rematerialised per ``cfg.remat`` (``remat_policy``), or the identity."""
+    if not cfg.remat:
+        return lambda fn: fn
+    policy = getattr(jax.checkpoint_policies, cfg.remat_policy)
+    return lambda fn: jax.checkpoint(fn, policy=policy)
+
+
 def _forward_fn(cfg: Any) -> Callable:
     """``(block, x, *args) → x`` for one block, rematerialised per ``cfg.remat``."""
     if not cfg.remat:
@@ -488,25 +501,37 @@ def apply_blocks(layers: nnx.Module | nnx.List, x: jax.Array, cfg: Any,
 
     A scanned stack honours an active :func:`gift_jax.utils.block_hook.block_hook`: each
     layer's block state goes through the hook (with that layer's inputs) before the block runs.
+    Either stack honours an active :func:`gift_jax.utils.block_hook.block_runner`: it runs
+    each block (rematerialised as the runner places it).
     """
     forward = _forward_fn(cfg)
+    hook, runner = active_block_hook(), active_block_runner()
+
+    def run(block: nnx.Module, h: jax.Array, layer_inputs: Any = None) -> jax.Array:
+        if runner is None and (hook is None or not cfg.scan_layers):
+            return forward(block, h, *args)
+        graphdef, state = nnx.split(block)
+        if hook is not None and cfg.scan_layers:
+            state = hook.fn(state, layer_inputs)
+        if runner is None:
+            return forward(nnx.merge(graphdef, state), h, *args)
+        return runner(_block_forward, graphdef, state, h, *args, remat=_remat_fn(cfg))
+
     if not cfg.scan_layers:
         for block in layers:
-            x = forward(block, x, *args)
+            x = run(block, x)
         return x
 
-    hook = active_block_hook()
     if hook is None:
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def body(block: nnx.Module, h: jax.Array) -> jax.Array:
-            return forward(block, h, *args)
+            return run(block, h)
 
         return body(layers, x)
 
     @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=nnx.Carry)
     def hooked(block: nnx.Module, h: jax.Array, layer_inputs: Any) -> jax.Array:
-        graphdef, state = nnx.split(block)
-        return forward(nnx.merge(graphdef, hook.fn(state, layer_inputs)), h, *args)
+        return run(block, h, layer_inputs)
 
     return hooked(layers, x, hook.per_layer)
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import ml_collections
 from etils import epath
 
-from gift_jax.comm.codecs import CODEC_NAMES, get_codec
+from gift_jax.comm.codecs import CODEC_NAMES, get_codec, low_precision_codecs
 from gift_jax.comm.collectives import EXCHANGES, PACKS, stale_scales
 from gift_jax.data.storage import is_remote, local_or_url
 from gift_jax.data.text_files import corpus_bytes
@@ -681,6 +681,31 @@ def _validate_scale_sync(config: ml_collections.ConfigDict, sizes: Mapping[str, 
                 "comm.scale_sync_every=1")
 
 
+def _validate_fsdp_codecs(config: ml_collections.ConfigDict, sizes: Mapping[str, int]) -> None:
+    """``comm.fsdp_codec`` and ``comm.fsdp_weight_codec`` (:mod:`gift_jax.comm.fsdp`): known
+    codecs, a mesh that splits weights over ``fsdp``, whole layers on each device."""
+    comm = config.comm
+    _choice(config, "comm.fsdp_codec", ("", *CODECS))
+    _choice(config, "comm.fsdp_weight_codec", ("", *low_precision_codecs()))
+    if not comm.fsdp_codec:
+        if comm.fsdp_weight_codec:
+            raise ConfigError(
+                f"comm.fsdp_weight_codec={comm.fsdp_weight_codec!r} needs comm.fsdp_codec (the "
+                f"blocks' fsdp collectives): set comm.fsdp_codec to one of {', '.join(CODECS)}, "
+                "or comm.fsdp_weight_codec=''")
+        return
+    if sizes.get("fsdp", 1) == 1:
+        raise ConfigError(
+            f"comm.fsdp_codec={comm.fsdp_codec!r} reduce-scatters gradients over mesh.fsdp, "
+            "which this mesh does not have (mesh.fsdp=1): set mesh.fsdp > 1, or "
+            "comm.fsdp_codec=''")
+    if config.mesh.rules.get("layers", "") == "fsdp":
+        raise ConfigError(
+            "comm.fsdp_codec needs each layer whole on a device's fsdp group, but "
+            "mesh.rules.layers='fsdp' splits the stacked layer axis: set mesh.rules.layers='' "
+            "or comm.fsdp_codec=''")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks every trainer setting against ``num_devices`` data-parallel devices, and
     resolves ``data.pipeline='auto'`` in place (:func:`resolve_data_pipeline`: the one
@@ -767,6 +792,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             "comm.error_feedback=True is not supported with mesh.intra_size > 1 (hierarchical)"
         )
     _validate_scale_sync(config, sizes)
+    _validate_fsdp_codecs(config, sizes)
     if (method == "none" and not get_codec(config.comm.codec).is_scaled and intra > 1
             and config.comm.intra_codec != "fp32"):
         raise ConfigError(

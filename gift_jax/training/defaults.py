@@ -117,6 +117,14 @@ def default_config() -> ml_collections.ConfigDict:
     # counted (the artifact syncs every 50 steps); per-tensor fp8/int8 codecs only
     comm.scale_sync_every = 1
     comm.intra_codec = "fp32"  # codec inside the intra-node axis when mesh.intra_size > 1
+    # the blocks' weight gradients reduce-scattered over mesh.fsdp in this codec (qgZ), in a
+    # shard_map per block instead of XLA's bf16/fp32 collectives: "" (XLA's) | a comm.codec
+    # name; comm.scaling/block_size as the data axis's
+    comm.fsdp_codec = ""
+    # the blocks' weights all-gathered over mesh.fsdp in this codec for the forward and
+    # backward (qwZ; the master weights are never rounded), one scale per shard or as
+    # comm.scaling says: "" | fp8_e4m3 | fp8_e5m2 | mxfp8 | nvfp4 | int8; needs comm.fsdp_codec
+    comm.fsdp_weight_codec = ""
     comm.distribute_refresh = True  # spread GIFT/PLUMAGE refresh decompositions over replicas
     # when the gradient is reduced: "after" the backward pass (one bucket plan over the tree) |
     # "backward": group by group inside it, in reverse layer order

@@ -20,8 +20,9 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from gift_jax.comm.fsdp import fsdp_block_runner
 from gift_jax.training.config import RUN_CONTROL_FIELDS, to_json
-from gift_jax.training.mesh import data_axes, model_axes
+from gift_jax.training.mesh import FSDP_AXIS, data_axes, model_axes
 from gift_jax.training.method import Optimizer, build_optimizer
 from gift_jax.training.recipe import Recipe
 from gift_jax.training.sharding import ParamLayout, activation_axes
@@ -33,6 +34,7 @@ from gift_jax.training.step import (
     opt_init_fn,
     params_init_fn,
 )
+from gift_jax.utils.block_hook import BlockRunner
 
 _CACHE_SIZE = 16
 _CACHE: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
@@ -75,8 +77,17 @@ class Program:
         self.step = TrainStep(self.model_def, self.optimizer, mesh, abstract_params,
                               abstract_state, global_batch=recipe.global_batch_size,
                               seq_len=recipe.seq_len, accum_steps=recipe.grad_accum_steps,
-                              compiler_options=compiler_options, layout=self.layout)
+                              compiler_options=compiler_options, layout=self.layout,
+                              runner=self._block_runner(mesh))
         self._accum = recipe.grad_accum_steps
+
+    def _block_runner(self, mesh: Mesh) -> BlockRunner | None:
+        """The blocks' quantized ``fsdp`` collectives (``comm.fsdp_codec``), or ``None``."""
+        codecs = self.recipe.comm.fsdp
+        if codecs is None or FSDP_AXIS not in model_axes(mesh):
+            return None
+        return fsdp_block_runner(codecs, self.layout.block_specs(
+            bool(self.model_config.scan_layers)))
 
     def init(self) -> tuple[Any, Any]:
         """Fresh ``(params, opt_state)`` on the step's shardings."""

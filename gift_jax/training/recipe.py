@@ -28,6 +28,7 @@ import ml_collections
 import optax
 
 from gift_jax.comm.codecs import Codec, get_codec
+from gift_jax.comm.fsdp import FsdpCodecs
 from gift_jax.comm.layer_groups import LayerGroups
 from gift_jax.comm.stage import allreduce
 from gift_jax.models import ModelSpec, model_config_of, model_spec
@@ -39,7 +40,7 @@ from gift_jax.training.config import (
     validate_config,
     warmup_length,
 )
-from gift_jax.training.mesh import DEFAULT_RULES
+from gift_jax.training.mesh import DEFAULT_RULES, FSDP_AXIS
 from gift_jax.training.method import CommPlan, GiftPlan, PlumagePlan
 from gift_jax.training.optim import learning_rate_schedule, stacked_kernels
 from gift_jax.training.optimizers import STACKED_AXES, OptimizerEntry, get_optimizer
@@ -120,6 +121,8 @@ class CommOptions:
       scale_sync_every: per-tensor scales synced every this many steps and reused in between
         (1: fresh every step; :func:`gift_jax.allreduce`).
       pack: how buckets are packed, ``"bytes"`` or ``"floats"`` (:func:`gift_jax.allreduce`).
+      fsdp: the blocks' ``fsdp`` collectives' codecs (``comm.fsdp_codec``,
+        ``comm.fsdp_weight_codec``; :mod:`gift_jax.comm.fsdp`), or ``None`` (XLA's).
     """
 
     codec: Codec
@@ -136,6 +139,7 @@ class CommOptions:
     exchange: str
     scale_sync_every: int = 1
     pack: str = "bytes"
+    fsdp: FsdpCodecs | None = None
 
     @classmethod
     def of(cls, comm: Mapping[str, Any], seed: int, stacked_layers: bool) -> CommOptions:
@@ -153,6 +157,13 @@ class CommOptions:
         codec = get_codec(comm["codec"])
         block = comm["block_size"] if (codec.supports_block_scaling
                                        and comm["scaling"] == "block") else None
+        fsdp = None
+        if comm.get("fsdp_codec"):  # scaled as the data axis's codec (comm.scaling)
+            scaled = lambda name: get_codec(name, comm["block_size"] if (
+                get_codec(name).supports_block_scaling and comm["scaling"] == "block") else None)
+            weight = comm.get("fsdp_weight_codec") or None
+            fsdp = FsdpCodecs(FSDP_AXIS, scaled(comm["fsdp_codec"]),
+                              None if weight is None else scaled(weight))
         return cls(codec=codec, block_size=block,
                    stochastic_rounding=bool(comm["stochastic_rounding"]) and not codec.is_exact,
                    error_feedback=bool(comm["error_feedback"]) and not codec.is_exact,
@@ -162,7 +173,7 @@ class CommOptions:
                    stacked_layers=stacked_layers, reduce_in=comm["reduce_in"],
                    bucket_elems=int(comm["bucket_elems"]), exchange=comm["exchange"],
                    scale_sync_every=int(comm.get("scale_sync_every", 1)),
-                   pack=comm.get("pack", "bytes"))
+                   pack=comm.get("pack", "bytes"), fsdp=fsdp)
 
     def allreduce(self, axes: tuple[str, ...], shards: Any = None
                   ) -> optax.GradientTransformation:

@@ -279,6 +279,25 @@ class ParamLayout:
                     return spec
         return None
 
+    def block_specs(self, stacked: bool, block_key: str = "layers") -> dict[str, P]:
+        """The spec of each leaf of one block of the model's stack.
+
+        Args:
+          stacked: the blocks are scanned (their leaves stacked over a leading layer axis,
+            ``block_key/…``), else unrolled (``block_key/<i>/…``, alike in every block).
+          block_key: the top-level key of the block stack.
+
+        Returns:
+          ``{path inside a block: spec}`` (a stacked leaf's layer axis dropped).
+        """
+        out: dict[str, P] = {}
+        for tokens, (_, spec) in self._by_tokens.items():
+            if tokens[0] != block_key or len(tokens) < 2 + (not stacked):
+                continue
+            inner = tokens[1:] if stacked else tokens[2:]
+            out.setdefault("/".join(inner), P(*list(spec)[1:]) if stacked else spec)
+        return out
+
     def specs(self, tree: Any) -> Any:
         """Specs of a tree of arrays (replicated where no parameter path applies).
 

@@ -30,6 +30,7 @@ and optimizer state are donated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from gift_jax.training.sharding import (
     state_specs,
 )
 from gift_jax.utils.axes import axis_name_of
+from gift_jax.utils.block_hook import BlockRunner, block_runner
 from gift_jax.utils.tree_paths import join_path, leaf_path
 from gift_jax.whitening.capture import kfac_value_and_grad, with_input_coverage, with_input_stats
 from gift_jax.whitening.fidelity import fidelity_report
@@ -346,7 +348,8 @@ def _model_specs(layout: ParamLayout | None, mesh: Mesh, tree: Any) -> Any:
 
 def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_specs: Any, *,
                   accum_steps: int = 1, refresh: bool = False,
-                  layout: ParamLayout | None = None) -> Callable:
+                  layout: ParamLayout | None = None,
+                  runner: BlockRunner | None = None) -> Callable:
     """``(params, opt_state, batch) → (params, opt_state, metrics)``, not yet jitted.
 
     ``batch`` is int32 ``[global_batch, seq + 1]`` split over the data axes (and ``fsdp``).
@@ -365,11 +368,16 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         extra update arguments) or :data:`~gift_jax.training.method.STATS` (statistics
         captured and folded, no refresh).
       layout: the parameters' split over the model axes, or ``None``.
+      runner: runs each block of the model's stack in the variants that capture no
+        statistics (:func:`gift_jax.comm.fsdp.fsdp_block_runner`: the blocks' ``fsdp``
+        collectives quantized), or ``None``.
 
     Returns:
       The step function.
     """
     axes = data_axes(mesh)
+    blocks = (contextlib.nullcontext() if runner is None or captures(refresh)
+              else block_runner(runner))
     plan = optimizer.plan
     # refresh variants capture the statistics of the layers a GIFT stage whitens (method gift,
     # or plumage with plumage.gift); the plan says which (none for every other variant)
@@ -383,14 +391,17 @@ def train_step_fn(model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, opt_spe
         if sharded:
             tokens = jax.lax.with_sharding_constraint(tokens, rows)
         if optimizer.in_backward and not captures(refresh):  # reduced inside the backward
-            loss, grads, reduced = _loss_and_reduced_grads(
-                model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
-                optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state), sharded)
+            with blocks:
+                loss, grads, reduced = _loss_and_reduced_grads(
+                    model_def, tokens, params, accum_steps, loss_for(model_def, mesh),
+                    optimizer.backward_stage, optax.tree.get(opt_state, plan.stage_state),
+                    sharded)
             kwargs = {**plan.update_kwargs(refresh, {}), "reduced_in_backward": reduced}
         else:
-            loss, grads, stats = _local_loss_and_grads(
-                model_def, tokens, params, accum_steps, capture, plan.gift_two_sided, sharded,
-                loss_for(model_def, mesh), plan.coverage_bases(refresh, opt_state))
+            with blocks:
+                loss, grads, stats = _local_loss_and_grads(
+                    model_def, tokens, params, accum_steps, capture, plan.gift_two_sided,
+                    sharded, loss_for(model_def, mesh), plan.coverage_bases(refresh, opt_state))
             grads = _constrain(grads, specs)
             kwargs = plan.update_kwargs(refresh, stats)
         updates, opt_state = optimizer.tx.update(grads, opt_state, params, **kwargs)
@@ -488,7 +499,7 @@ class TrainStep:
     def __init__(self, model_def: ModelDef, optimizer: Optimizer, mesh: Mesh, params: Params,
                  opt_state: OptState, *, global_batch: int, seq_len: int, accum_steps: int = 1,
                  compiler_options: dict[str, Any] | None = None,
-                 layout: ParamLayout | None = None):
+                 layout: ParamLayout | None = None, runner: BlockRunner | None = None):
         """Args:
           model_def: the model's static graph and loss.
           optimizer: the run's :class:`~gift_jax.training.method.Optimizer`.
@@ -499,8 +510,10 @@ class TrainStep:
           accum_steps: microbatches per step.
           compiler_options: XLA options of every variant, or ``None``.
           layout: the parameters' split over the model axes, or ``None`` (replicated).
+          runner: runs each block (:func:`train_step_fn`), or ``None``.
         """
         self.model_def, self.optimizer, self.mesh = model_def, optimizer, mesh
+        self.runner = runner
         self.accum_steps = accum_steps
         self.compiler_options = dict(compiler_options or {})
         self.layout = layout if layout is not None else ParamLayout({}, {})
@@ -569,7 +582,7 @@ class TrainStep:
         if refresh not in self._compiled:
             fn = train_step_fn(self.model_def, self.optimizer, self.mesh, self.opt_specs,
                                accum_steps=self.accum_steps, refresh=refresh,
-                               layout=self.layout)
+                               layout=self.layout, runner=self.runner)
             scalar = NamedSharding(self.mesh, P())
             jitted = jax.jit(
                 fn,

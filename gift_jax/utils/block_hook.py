@@ -10,6 +10,11 @@ layer's slice of the stacked parameters together with that layer's slice of
 
 Only scanned block stacks consult the hook: an unrolled stack's parameters are separate
 leaves, which the caller can hook before the model is built.
+
+A :func:`block_runner` goes one step further: it runs each block (scanned or unrolled) itself,
+given the block's graph and state, the residual stream and the block's other arguments — how
+:mod:`gift_jax.comm.fsdp` runs a layer in a ``shard_map`` manual over ``fsdp``, gathering its
+weights there and reduce-scattering their gradients in a codec of its choice.
 """
 
 from __future__ import annotations
@@ -61,3 +66,35 @@ def block_hook(fn: Callable[[Any, Any], Any], per_layer: Any) -> Iterator[None]:
 def active_block_hook() -> BlockHook | None:
     """The :class:`BlockHook` of the innermost active :func:`block_hook`, or ``None``."""
     return _ACTIVE.get()
+
+
+#: ``run(block_fn, graphdef, state, x, *args) → x``: runs one block, ``block_fn(module, x,
+#: *args)`` (not rematerialised: the runner places the remat) on ``nnx.merge(graphdef,
+#: state)``, or on whatever state it makes of ``state`` first.
+BlockRunner = Callable[..., Any]
+
+_RUNNER: contextvars.ContextVar[BlockRunner | None] = contextvars.ContextVar(
+    "gift_jax_block_runner", default=None)
+
+
+@contextlib.contextmanager
+def block_runner(run: BlockRunner) -> Iterator[None]:
+    """Run every block of the stacks traced inside the block through ``run`` (after the
+    :func:`block_hook`, if one is active, has mapped its state).
+
+    Args:
+      run: the :data:`BlockRunner`.
+
+    Yields:
+      Nothing; the runner is active until the block exits.
+    """
+    token = _RUNNER.set(run)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def active_block_runner() -> BlockRunner | None:
+    """The :data:`BlockRunner` of the innermost active :func:`block_runner`, or ``None``."""
+    return _RUNNER.get()
