@@ -18,7 +18,6 @@ The grid is ``--slices`` (see ``gift_jax.apps.experiments.frontier.SLICES``) or,
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import pathlib
@@ -30,18 +29,6 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 def _csv(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
-
-
-def _field_value(text: str) -> tuple[str, object]:
-    """``"train.global_batch_size=64"`` → ``("train.global_batch_size", 64)``."""
-    field, sep, value = text.partition("=")
-    if not sep or not field.startswith(("model.", "train.", "optimizer.")):
-        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE with a model.*, train.* or "
-                         "optimizer.* field")
-    try:
-        return field, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return field, value
 
 
 def main() -> int:
@@ -75,14 +62,14 @@ def main() -> int:
     simulate_cpu_devices(a.cpu_devices)
     from gift_jax.apps.experiments import frontier as F
 
-    fields = [_field_value(x) for x in a.set]
+    try:
+        model, train = F.parse_overrides(a.set)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     s = F.FrontierSettings(config=a.config, steps=a.steps, eval_every=a.eval_every,
                            eval_batches=a.eval_batches, refresh_every=a.refresh_every,
                            min_refresh_every=a.min_refresh_every,
-                           max_refresh_every=a.max_refresh_every,
-                           model=tuple((f.removeprefix("model."), v) for f, v in fields
-                                       if f.startswith("model.")),
-                           train=tuple((f, v) for f, v in fields if not f.startswith("model.")))
+                           max_refresh_every=a.max_refresh_every, model=model, train=train)
     if a.codecs or a.transports or a.accumulations or a.optimizers:
         cells = F.cross_product(_csv(a.codecs) or F.CODECS, _csv(a.transports) or F.TRANSPORTS,
                                 _csv(a.accumulations) or F.ACCUMULATIONS,

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import gift_jax
 from gift_jax.apps import pod_estimate
+from gift_jax.comm.codecs import get_codec
 from gift_jax.comm.wire import COLLECTIVE_KINDS, array_bytes, computations, executions
 from gift_jax.models import count_params
 from gift_jax.training.config import (
@@ -240,6 +241,7 @@ class PodCompile:
     estimate: pod_estimate.Replay | None = None  # the step time (TPU compiler only)
     flags: str = "-"  # "maxtext": compiled with overlap_flags(); "-": the defaults
     schedule: str = ""  # ", in backward" (comm.reduce_in) and ", ppermute" (comm.exchange)
+    quantized: str = ""  # what crosses the wire in low precision: "data", "fsdp grads", ...
     network_bytes: float = 0.0  # per device and step, collectives whose groups span GPU nodes
     kernels: int = -1  # Pallas kernels compiled into the program (-1: not counted, XLA:CPU)
 
@@ -253,6 +255,7 @@ class PodCompile:
                "mesh": "x".join(map(str, self.mesh)),
                "reduction": ("flat" if self.intra == 1 else f"{self.intra} first")
                + self.schedule,
+               **({"quantized": self.quantized} if self.quantized else {}),
                "variant": "refresh" if self.refresh else "ordinary",
                "args_GiB": gib(self.argument_bytes), "temp_GiB": gib(self.temp_bytes),
                "total_GiB": gib(self.total_bytes)}
@@ -617,6 +620,7 @@ def compile_mode(config: ml_collections.ConfigDict, mode: str, mesh_shape: Seque
             expected_argument_bytes=_state_bytes(program.step, mesh), estimate=estimate,
             flags=flags_label or ("maxtext" if compiler_options else "-"),
             schedule="" if xla else _schedule(config.comm),
+            quantized="none" if xla else _quantized(config.comm),
             network_bytes=across_hosts(report, mesh) if platform == "gpu" else 0.0,
             kernels=pallas_kernels(text) if platform in COMPILERS else -1))
         if hlo_dir is not None:
@@ -642,9 +646,24 @@ def hlo_file_name(row: dict[str, Any]) -> str:
 
 
 def _schedule(comm: Any) -> str:
-    """The ``reduction`` column's note of when and how the quantized reduction runs."""
+    """The ``reduction`` column's note of when and how the quantized reduction runs, and of
+    the blocks' fsdp collectives when a codec carries them."""
+    fsdp, weights = comm.get("fsdp_codec", ""), comm.get("fsdp_weight_codec", "")
     return ((", in backward" if comm.reduce_in == "backward" else "")
-            + (", ppermute" if comm.exchange == "permute" else ""))
+            + (", ppermute" if comm.exchange == "permute" else "")
+            + (f", fsdp grads {fsdp}" if fsdp else "")
+            + (f", fsdp weights {weights}" if weights else ""))
+
+
+def _quantized(comm: Any) -> str:
+    """The ``quantized`` column: which collectives carry low-precision values — ``data``
+    (``comm.codec``), ``fsdp grads`` (``comm.fsdp_codec``), ``fsdp weights``
+    (``comm.fsdp_weight_codec``) — each with its codec, or ``none``."""
+    low = lambda name: bool(name) and get_codec(name).is_scaled
+    parts = [f"{what} {name}" for what, name in (
+        ("data", comm.codec), ("fsdp grads", comm.get("fsdp_codec", "")),
+        ("fsdp weights", comm.get("fsdp_weight_codec", ""))) if low(name)]
+    return ", ".join(parts) or "none"
 
 
 def markdown_table(rows: Sequence[PodCompile | dict[str, Any]]) -> str:

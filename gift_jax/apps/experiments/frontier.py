@@ -33,6 +33,7 @@ means GIFT's runs end lower on the same seeds).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
 import json
@@ -266,6 +267,38 @@ class FrontierSettings:
 
     def asdict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def parse_overrides(texts: Sequence[str]) -> tuple[tuple[tuple[str, Any], ...],
+                                                   tuple[tuple[str, Any], ...]]:
+    """``--set FIELD=VALUE`` flags as :class:`FrontierSettings`' ``model`` and ``train``
+    overrides (values read as Python literals where they parse, else kept as text).
+
+    Args:
+      texts: e.g. ``["train.global_batch_size=64", "model.num_layers=2"]``.
+
+    Returns:
+      ``(model, train)``: ``model.*`` fields without their prefix, and the rest.
+
+    Raises:
+      ValueError: one line, for a flag that is not ``FIELD=VALUE`` of a ``model.*``,
+        ``train.*`` or ``optimizer.*`` field.
+    """
+    model, train = [], []
+    for text in texts:
+        field, sep, value = text.partition("=")
+        if not sep or not field.startswith(("model.", "train.", "optimizer.")):
+            raise ValueError(f"--set {text!r}: expected FIELD=VALUE with a model.*, train.* or "
+                             "optimizer.* field")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        if field.startswith("model."):
+            model.append((field.removeprefix("model."), value))
+        else:
+            train.append((field, value))
+    return tuple(model), tuple(train)
 
 
 def trainer_config(cell: Cell, s: FrontierSettings, seed: int,
