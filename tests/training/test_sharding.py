@@ -327,3 +327,18 @@ def test_pod_compile_script_smoke(tmp_path):
                                                              rel=0.05)
     assert rows["fp8"]["args_GiB"] > 0 and rows["fp8"]["replica_MiB"] > 0
     assert (tmp_path / "tiny.md").read_text().startswith("| compiler | topology | mode |")
+    # the fsdp collectives in fp8: a row of its own, saying what is quantized, with fewer
+    # bytes inside the replica
+    proc = subprocess.run(
+        [sys.executable, "scripts/compile_pod.py", "--config", "tiny", "--devices", "16",
+         "--mesh", "2,4,2", "--modes", "fp8", "--set", "model.num_layers=2",
+         "--set", "comm.fsdp_codec=fp8_e4m3", "--set", "comm.fsdp_weight_codec=fp8_e4m3",
+         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fp8 = {r["reduction"]: r for r in json.loads((tmp_path / "tiny.json").read_text())
+           if r["mode"] == "fp8"}
+    both = fp8["flat, fsdp grads fp8_e4m3, fsdp weights fp8_e4m3"]
+    assert both["quantized"] == "data fp8_e4m3, fsdp grads fp8_e4m3, fsdp weights fp8_e4m3"
+    assert both["replica_MiB"] < 0.6 * fp8["flat"]["replica_MiB"]
+    assert both["data_MiB"] == pytest.approx(fp8["flat"]["data_MiB"], rel=0.01)
