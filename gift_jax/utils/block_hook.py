@@ -46,21 +46,27 @@ _ACTIVE: contextvars.ContextVar[BlockHook | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def block_hook(fn: Callable[[Any, Any], Any], per_layer: Any) -> Iterator[None]:
+def _set_while(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """``var`` holds ``value`` until the block exits (then what it held before)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def block_hook(fn: Callable[[Any, Any], Any], per_layer: Any
+               ) -> contextlib.AbstractContextManager[None]:
     """Activate a :class:`BlockHook` for the scanned block stacks traced inside the block.
 
     Args:
       fn: ``(block_state, layer_inputs) → block_state``.
       per_layer: the hook's inputs, stacked over the layers (leading axis).
 
-    Yields:
-      Nothing; the hook is active until the block exits.
+    Returns:
+      A context manager; the hook is active until its block exits.
     """
-    token = _ACTIVE.set(BlockHook(fn, per_layer))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return _set_while(_ACTIVE, BlockHook(fn, per_layer))
 
 
 def active_block_hook() -> BlockHook | None:
@@ -77,22 +83,17 @@ _RUNNER: contextvars.ContextVar[BlockRunner | None] = contextvars.ContextVar(
     "gift_jax_block_runner", default=None)
 
 
-@contextlib.contextmanager
-def block_runner(run: BlockRunner) -> Iterator[None]:
+def block_runner(run: BlockRunner) -> contextlib.AbstractContextManager[None]:
     """Run every block of the stacks traced inside the block through ``run`` (after the
     :func:`block_hook`, if one is active, has mapped its state).
 
     Args:
       run: the :data:`BlockRunner`.
 
-    Yields:
-      Nothing; the runner is active until the block exits.
+    Returns:
+      A context manager; the runner is active until its block exits.
     """
-    token = _RUNNER.set(run)
-    try:
-        yield
-    finally:
-        _RUNNER.reset(token)
+    return _set_while(_RUNNER, run)
 
 
 def active_block_runner() -> BlockRunner | None:
